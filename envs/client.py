@@ -1,0 +1,258 @@
+"""HTTP clients for the environment servers, in sync and async forms.
+
+One client object is one environment instance on a server (``POST /create`` in the constructor). A
+client carries its environment's instruction prompt (``conversation_start``, AgentGym's format) and
+parses ReAct replies locally: a malformed reply yields the explanatory observation without a server
+call. Server errors are raised as :class:`EnvServerError` with the server's message, never turned
+into a zero reward. Reuse one ``httpx.Client`` across many instances (pass ``http=``), and step a
+whole rollout round in one request with :func:`step_many` / :func:`astep_many`.
+
+    client = BabyAIClient("http://127.0.0.1:8000")
+    first = client.reset(3)
+    out = client.step("Thought: the ball is ahead.\\nAction: move forward")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import httpx
+
+from envs.react import ActionParseError, parse_react
+
+TOKEN_ENV_VAR = "SCALINGINTER_ENV_TOKEN"
+
+
+@dataclass
+class StepOutput:
+    """One turn's result as the agent sees it.
+
+    ``reward`` is the trajectory's normalised reward so far; a malformed reply earns nothing and leaves
+    it where it was. ``sent`` is False when the reply was rejected locally (no server call).
+    """
+
+    observation: str
+    reward: float = 0.0
+    score: float = 0.0
+    done: bool = False
+    success: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    sent: bool = True
+
+
+class EnvServerError(RuntimeError):
+    """The server answered with an error status, or could not be reached."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else os.environ.get(TOKEN_ENV_VAR)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _check(response: httpx.Response) -> Any:
+    if response.is_success:
+        return response.json()
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    raise EnvServerError(
+        f"{response.request.method} {response.request.url.path} -> HTTP {response.status_code}: {detail}",
+        response.status_code,
+    )
+
+
+class ClientLogic:
+    """What sync and async clients share: prompts, parsing and turning payloads into outputs."""
+
+    env_name: ClassVar[str] = ""
+    conversation_start: ClassVar[tuple[dict[str, Any], dict[str, Any]]] = ()  # type: ignore[assignment]
+
+    id: int
+    _last: StepOutput
+
+    def parse(self, reply: str) -> str:
+        """The action to send for a model reply; raises ActionParseError with the message to show."""
+        return self.clean_action(parse_react(reply))
+
+    def clean_action(self, action: str) -> str:
+        """Environment-specific normalisation of a parsed action."""
+        return action
+
+    def format_reset(self, payload: dict[str, Any]) -> str:
+        """The first observation the agent sees, from the /reset payload."""
+        return str(payload["observation"])
+
+    def _output(self, payload: dict[str, Any], observation: str | None = None) -> StepOutput:
+        known = {"id", "observation", "reward", "score", "done", "success", "info"}
+        info = dict(payload.get("info") or {})
+        info.update({k: v for k, v in payload.items() if k not in known})
+        self._last = StepOutput(
+            observation=observation if observation is not None else str(payload["observation"]),
+            reward=float(payload.get("reward", 0.0)),
+            score=float(payload.get("score", 0.0)),
+            done=bool(payload.get("done", False)),
+            success=bool(payload.get("success", False)),
+            info=info,
+        )
+        return self._last
+
+    def _rejected(self, err: ActionParseError) -> StepOutput:
+        last = getattr(self, "_last", StepOutput(""))
+        return StepOutput(str(err), last.reward, last.score, False, last.success, {}, sent=False)
+
+    def _prepare(self, reply: str) -> str | StepOutput:
+        try:
+            return self.parse(reply)
+        except ActionParseError as err:
+            return self._rejected(err)
+
+
+class BaseEnvClient(ClientLogic):
+    """Synchronous client for one environment instance."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 120.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self.http = http or httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(token))
+        self._owns_http = http is None
+        self.id = int(self._post("/create", {})["id"])
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return _check(self.http.post(path, json=body))
+        except httpx.TransportError as err:
+            raise EnvServerError(f"POST {path}: cannot reach {self.http.base_url}: {err}") from err
+
+    def _get(self, path: str) -> Any:
+        try:
+            return _check(self.http.get(path, params={"id": self.id}))
+        except httpx.TransportError as err:
+            raise EnvServerError(f"GET {path}: cannot reach {self.http.base_url}: {err}") from err
+
+    def reset(self, data_idx: int) -> StepOutput:
+        payload = self._post("/reset", {"id": self.id, "data_idx": data_idx})
+        return self._output(payload, self.format_reset(payload))
+
+    def step(self, reply: str) -> StepOutput:
+        action = self._prepare(reply)
+        if isinstance(action, StepOutput):
+            return action
+        return self._output(self._post("/step", {"id": self.id, "action": action}))
+
+    def observe(self) -> str:
+        payload = self._get("/observation")
+        return str(payload["observation"] if isinstance(payload, dict) else payload)
+
+    def available_actions(self) -> list[str]:
+        return list(self._get("/available_actions")["available_actions"])
+
+    def close(self) -> None:
+        try:
+            self._post("/close", {"id": self.id})
+        finally:
+            if self._owns_http:
+                self.http.close()
+
+    def __enter__(self) -> BaseEnvClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncBaseEnvClient(ClientLogic):
+    """Asynchronous client for one environment instance: ``client = await XClient.create(url)``."""
+
+    http: httpx.AsyncClient
+    _owns_http: bool
+
+    @classmethod
+    async def create(
+        cls,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 120.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> AsyncBaseEnvClient:
+        self = cls()
+        self.http = http or httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(token))
+        self._owns_http = http is None
+        self.id = int((await self._post("/create", {}))["id"])
+        return self
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return _check(await self.http.post(path, json=body))
+        except httpx.TransportError as err:
+            raise EnvServerError(f"POST {path}: cannot reach {self.http.base_url}: {err}") from err
+
+    async def _get(self, path: str) -> Any:
+        try:
+            return _check(await self.http.get(path, params={"id": self.id}))
+        except httpx.TransportError as err:
+            raise EnvServerError(f"GET {path}: cannot reach {self.http.base_url}: {err}") from err
+
+    async def reset(self, data_idx: int) -> StepOutput:
+        payload = await self._post("/reset", {"id": self.id, "data_idx": data_idx})
+        return self._output(payload, self.format_reset(payload))
+
+    async def step(self, reply: str) -> StepOutput:
+        action = self._prepare(reply)
+        if isinstance(action, StepOutput):
+            return action
+        return self._output(await self._post("/step", {"id": self.id, "action": action}))
+
+    async def observe(self) -> str:
+        payload = await self._get("/observation")
+        return str(payload["observation"] if isinstance(payload, dict) else payload)
+
+    async def available_actions(self) -> list[str]:
+        return list((await self._get("/available_actions"))["available_actions"])
+
+    async def close(self) -> None:
+        try:
+            await self._post("/close", {"id": self.id})
+        finally:
+            if self._owns_http:
+                await self.http.aclose()
+
+
+def _batch_plan(clients: Sequence[ClientLogic], replies: Sequence[str]) -> tuple[list[Any], list[dict]]:
+    if len(clients) != len(replies):
+        raise ValueError(f"step_many got {len(clients)} clients but {len(replies)} replies")
+    prepared = [c._prepare(r) for c, r in zip(clients, replies, strict=True)]
+    steps = [{"id": c.id, "action": a} for c, a in zip(clients, prepared, strict=True) if isinstance(a, str)]
+    return prepared, steps
+
+
+def _batch_outputs(clients: Sequence[ClientLogic], prepared: list[Any], results: list[dict]) -> list[StepOutput]:
+    it = iter(results)
+    return [a if isinstance(a, StepOutput) else c._output(next(it)) for c, a in zip(clients, prepared, strict=True)]
+
+
+def step_many(clients: Sequence[BaseEnvClient], replies: Sequence[str]) -> list[StepOutput]:
+    """Step many instances of one server in one ``POST /step_batch`` request (a rollout round)."""
+    prepared, steps = _batch_plan(clients, replies)
+    results = clients[0]._post("/step_batch", {"steps": steps})["results"] if steps else []
+    return _batch_outputs(clients, prepared, results)
+
+
+async def astep_many(clients: Sequence[AsyncBaseEnvClient], replies: Sequence[str]) -> list[StepOutput]:
+    """Async form of :func:`step_many`."""
+    prepared, steps = _batch_plan(clients, replies)
+    results = (await clients[0]._post("/step_batch", {"steps": steps}))["results"] if steps else []
+    return _batch_outputs(clients, prepared, results)

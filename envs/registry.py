@@ -1,0 +1,53 @@
+"""Names of the environments and where their server and client classes live (imported lazily, so a
+client never imports a simulator)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from envs.base import Backend
+from envs.client import AsyncBaseEnvClient, BaseEnvClient
+
+ENVIRONMENTS: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "webarena", "deepsearch")
+SERVED: tuple[str, ...] = ("babyai", "textcraft", "sciworld")
+
+
+class UnknownEnvironmentError(ValueError):
+    """The name is not one of the served environments."""
+
+
+def _check(name: str) -> None:
+    if name not in SERVED:
+        raise UnknownEnvironmentError(
+            f"unknown environment {name!r}: choose one of {', '.join(SERVED)}"
+            + (" (not implemented yet)" if name in ENVIRONMENTS else "")
+        )
+
+
+def _attr(module: str, attr: str) -> Any:
+    return getattr(importlib.import_module(module), attr)
+
+
+def load_backend(name: str, **options: Any) -> Backend:
+    """Create the server-side backend of environment ``name`` (``envs.<name>.backend.Backend``)."""
+    _check(name)
+    return _attr(f"envs.{name}.backend", "Backend")(**options)
+
+
+def client_class(name: str) -> type[BaseEnvClient]:
+    """The synchronous client class of environment ``name`` (``envs.<name>.client.Client``)."""
+    _check(name)
+    return _attr(f"envs.{name}.client", "Client")
+
+
+def async_client_class(name: str) -> type[AsyncBaseEnvClient]:
+    """The asynchronous client class of environment ``name`` (``envs.<name>.client.AsyncClient``)."""
+    _check(name)
+    return _attr(f"envs.{name}.client", "AsyncClient")
+
+
+def expert(name: str) -> Any:
+    """The expert episode runner ``solve(client, data_idx) -> StepOutput`` of environment ``name``."""
+    _check(name)
+    return _attr(f"envs.{name}.expert", "solve")

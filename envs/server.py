@@ -1,0 +1,315 @@
+"""One FastAPI app factory that serves any environment backend over AgentGym's wire protocol.
+
+Endpoints (AgentGym's names and fields, so existing clients work unchanged):
+``POST /create``, ``POST /reset {id, data_idx}``, ``POST /step {id, action}``, ``GET /observation?id=``,
+``POST /close {id}``; plus ``GET /available_actions?id=``, ``GET /health`` and ``POST /step_batch
+{steps: [{id, action}, ...]}`` which steps a whole rollout round in one request.
+
+Errors are real statuses with ``{"detail": "<what is wrong>"}``: unknown id 404, malformed body 422,
+data_idx out of range 422, stepping a finished episode 409, instance limit 429, a full simulator pool
+503, an action over 1 MB 413, a missing or wrong bearer token 401. Never HTTP 200 with an error inside.
+
+    python -m envs.server babyai --port 8000          # or: scalinginter serve babyai --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
+from envs.client import TOKEN_ENV_VAR
+from envs.instances import InstanceTable, NotResetError, Slot
+
+log = logging.getLogger(__name__)
+
+MAX_ACTION_BYTES = 1 << 20
+InstanceId = Annotated[int, Field(strict=True, ge=0, validation_alias=AliasChoices("id", "env_idx"))]
+
+
+class ActionTooLargeError(EnvError):
+    status_code = 413
+
+
+class AuthError(EnvError):
+    status_code = 401
+
+
+class RequestShapeError(EnvError):
+    status_code = 422
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class IdBody(_Body):
+    id: InstanceId
+
+
+class ResetBody(IdBody):
+    data_idx: Annotated[int, Field(strict=True, validation_alias=AliasChoices("data_idx", "idx"))] = 0
+
+
+class StepBody(IdBody):
+    action: Annotated[str, Field(strict=True)]
+
+
+class BatchBody(_Body):
+    steps: list[StepBody] = Field(min_length=1)
+
+
+def _payload(result: StepResult) -> dict[str, Any]:
+    out = {
+        "observation": result.observation,
+        "reward": float(result.reward),
+        "score": float(result.score),
+        "done": bool(result.done),
+        "success": bool(result.success),
+    }
+    out.update(result.info)
+    return out
+
+
+def _check_action(action: str) -> None:
+    if len(action) > MAX_ACTION_BYTES // 4 and len(action.encode()) > MAX_ACTION_BYTES:
+        raise ActionTooLargeError(f"action is {len(action.encode())} bytes; the limit is {MAX_ACTION_BYTES} bytes")
+
+
+def _step(slot: Slot, idx: int, action: str) -> StepResult:
+    if not slot.reset:
+        raise NotResetError(f"instance {idx} has no task yet: POST /reset {{id, data_idx}} first")
+    if slot.done:
+        raise EpisodeFinishedError(f"instance {idx}'s episode is finished: reset it or close it")
+    result = slot.env.step(action)
+    slot.done = result.done
+    return result
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413 before parsing them."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            detail = f"request body is {int(length)} bytes; the limit is {self.limit} bytes"
+            return await JSONResponse({"detail": detail}, 413)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    backend: Backend,
+    *,
+    max_instances: int = 1024,
+    idle_ttl_s: float = 600.0,
+    token: str | None = None,
+    max_body_bytes: int = 64 << 20,
+) -> FastAPI:
+    """Build the HTTP app serving ``backend``. ``token`` (or env var SCALINGINTER_ENV_TOKEN) enables auth."""
+    table = InstanceTable(backend, max_instances=max_instances, idle_ttl_s=idle_ttl_s)
+    token = token if token is not None else os.environ.get(TOKEN_ENV_VAR) or None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        interval = min(max(idle_ttl_s / 4, 0.05), 5.0)
+
+        def reaper() -> None:
+            while not stop.wait(interval):
+                table.reap()
+
+        thread = threading.Thread(target=reaper, name="idle-reaper", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            table.close_all()
+            backend.shutdown()
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not secrets.compare_digest(header.encode(), f"Bearer {token}".encode()):
+            raise AuthError("missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+
+    app = FastAPI(title=f"scalinginter {backend.name} environment server", lifespan=lifespan)
+    app.state.table = table
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    guarded = [Depends(authorize)]
+
+    @app.exception_handler(EnvError)
+    async def env_error(request: Request, exc: EnvError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse({"detail": str(exc)}, exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input back and crashes on bytes that are not UTF-8.
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        return JSONResponse({"detail": f"malformed request: {detail}", "errors": errors}, 422)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("environment error on %s", request.url.path)
+        return JSONResponse({"detail": f"{backend.name} environment error: {type(exc).__name__}: {exc}"}, 500)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "env": backend.name,
+            "pid": os.getpid(),
+            "instances": len(table),
+            "max_instances": table.max_instances,
+            "reaped": table.reaped,
+            "num_items": backend.num_items,
+        }
+
+    @app.post("/create", dependencies=guarded)
+    async def create(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if raw.strip():
+            try:
+                body = await request.json()
+            except ValueError:
+                raise RequestShapeError("the /create body must be empty or a JSON object") from None
+            if not isinstance(body, dict):
+                raise RequestShapeError("the /create body must be empty or a JSON object")
+        idx = table.create()
+        if not backend.reset_on_create:
+            return {"id": idx, backend.id_field: idx}
+        return {"id": idx, **reset(ResetBody(id=idx, data_idx=0))}
+
+    @app.post("/reset", dependencies=guarded)
+    def reset(body: ResetBody) -> dict[str, Any]:
+        backend.check_index(body.data_idx)
+        with table.use(body.id) as slot:
+            result = slot.env.reset(body.data_idx)
+            slot.reset, slot.done = True, result.done
+        return {"id": body.id, **_payload(result), "deleted": False}
+
+    @app.post("/step", dependencies=guarded)
+    def step(body: StepBody) -> dict[str, Any]:
+        _check_action(body.action)
+        with table.use(body.id) as slot:
+            return _payload(_step(slot, body.id, body.action))
+
+    @app.post("/step_batch", dependencies=guarded)
+    def step_batch(body: BatchBody) -> dict[str, Any]:
+        ids = [s.id for s in body.steps]
+        if len(set(ids)) != len(ids):
+            raise RequestShapeError("step_batch got the same instance id twice; send one action per instance")
+        for s in body.steps:
+            _check_action(s.action)
+        with contextlib.ExitStack() as stack:  # all locks, in id order (no deadlock), then check, then step
+            slots = {i: stack.enter_context(table.use(i)) for i in sorted(ids)}
+            for i, slot in slots.items():
+                if not slot.reset or slot.done:
+                    _step(slot, i, "")  # raises the precise 409 before anything is stepped
+            return {"results": [{"id": s.id, **_payload(_step(slots[s.id], s.id, s.action))} for s in body.steps]}
+
+    @app.get("/observation", dependencies=guarded)
+    def observation(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:
+        idx = _query_id(id, env_idx)
+        with table.use(idx) as slot:
+            return {"id": idx, "observation": slot.env.observe() if slot.reset else ""}
+
+    @app.get("/available_actions", dependencies=guarded)
+    def available_actions(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:
+        idx = _query_id(id, env_idx)
+        with table.use(idx) as slot:
+            if not slot.reset:
+                raise NotResetError(f"instance {idx} has no task yet: POST /reset {{id, data_idx}} first")
+            return {"id": idx, "available_actions": slot.env.available_actions()}
+
+    @app.post("/close", dependencies=guarded)
+    def close(body: IdBody) -> bool:
+        table.close(body.id)
+        return True
+
+    return app
+
+
+def _query_id(id: int, env_idx: int | None) -> int:
+    idx = env_idx if env_idx is not None else id
+    if idx < 0:
+        raise RequestShapeError("query parameter 'id' (or 'env_idx') is required: ?id=<instance id>")
+    return idx
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``["max_jvms=2", "heap=-Xmx256m"]`` -> ``{"max_jvms": 2, "heap": "-Xmx256m"}`` (ints/floats parsed)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"backend option {pair!r} must look like key=value")
+        for cast in (int, float):
+            with contextlib.suppress(ValueError):
+                options[key] = cast(value)
+                break
+        else:
+            options[key] = value
+    return options
+
+
+def serve(
+    env: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    max_instances: int = 1024,
+    idle_ttl_s: float = 600.0,
+    token: str | None = None,
+    options: dict[str, Any] | None = None,
+    log_level: str = "warning",
+    max_body_bytes: int = 64 << 20,
+) -> None:
+    """Run the server for ``env`` with uvicorn until interrupted."""
+    import uvicorn
+
+    from envs.registry import load_backend
+
+    app = create_app(load_backend(env, **(options or {})), max_instances=max_instances, idle_ttl_s=idle_ttl_s,
+                     token=token, max_body_bytes=max_body_bytes)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__.split("\n")[0])
+    parser.add_argument("env")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-instances", type=int, default=1024)
+    parser.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle instance is reaped")
+    parser.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV_VAR})")
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get 413")
+    parser.add_argument("--option", action="append", default=[], help="backend option key=value (repeatable)")
+    args = parser.parse_args(argv)
+    serve(args.env, args.host, args.port, max_instances=args.max_instances, idle_ttl_s=args.idle_ttl,
+          token=args.token, options=parse_options(args.option), max_body_bytes=args.max_body_bytes)
+
+
+if __name__ == "__main__":
+    main()

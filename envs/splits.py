@@ -1,0 +1,77 @@
+"""Deterministic train/test task splits: ``data/<env>/{train,test}.json``.
+
+Each split is a JSON list of ``{"item_id": "<env>_<idx>", "sub_task": <label>}`` sorted by index. The
+test items are a seeded sample of the index space stratified by sub-task (so every sub-task is in the
+test set in proportion), the training items the first ``n_train`` of the rest. Sizes follow AgentGym
+where known (BabyAI 810/90, TextCraft 374/100, SciWorld 2120/200).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+# env -> (size of the index space the split draws from, n_train, n_test); None = the backend's num_items.
+SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
+    "babyai": (900, 810, 90),
+    "textcraft": (None, 374, 100),
+    "sciworld": (None, 2120, 200),
+}
+
+
+def item_index(item_id: str) -> int:
+    """The integer data_idx of an item id such as ``"textcraft_12"``."""
+    head, _, tail = item_id.rpartition("_")
+    if not head or not tail.isdigit():
+        raise ValueError(f"item id {item_id!r} is not of the form '<env>_<index>'")
+    return int(tail)
+
+
+def make_split(env: str, labels: list[str], n_train: int, n_test: int, seed: int = 0) -> dict[str, list[dict]]:
+    """Split indices ``0..len(labels)-1`` (``labels[i]`` = sub-task of index i) into train and test."""
+    if n_train + n_test > len(labels):
+        raise ValueError(f"{env}: {n_train} + {n_test} items requested but only {len(labels)} exist")
+    rng = random.Random(f"{env}-split-{seed}")
+    by_label: dict[str, list[int]] = defaultdict(list)
+    for idx, label in enumerate(labels):
+        by_label[label].append(idx)
+    test: list[int] = []
+    for label in sorted(by_label):
+        share = round(n_test * len(by_label[label]) / len(labels))
+        test += rng.sample(by_label[label], min(share, len(by_label[label])))
+    rest = sorted(set(range(len(labels))) - set(test))
+    rng.shuffle(test)
+    test = sorted(test[:n_test] if len(test) >= n_test else test + rng.sample(rest, n_test - len(test)))
+    train = [i for i in sorted(set(range(len(labels))) - set(test))][:n_train]
+
+    def rows(indices: list[int]) -> list[dict]:
+        return [{"item_id": f"{env}_{i}", "sub_task": labels[i]} for i in indices]
+
+    return {"train": rows(train), "test": rows(test)}
+
+
+def write_splits(env: str, backend: Any, out_dir: Path = DATA_DIR, seed: int = 0) -> dict[str, Path]:
+    """Compute the splits of ``env`` from its backend's sub-task labels and write them as JSON."""
+    size, n_train, n_test = SPLIT_SIZES[env]
+    size = size if size is not None else backend.num_items
+    labels = [backend.sub_task(i) for i in range(size)]
+    paths = {}
+    for name, rows in make_split(env, labels, n_train, n_test, seed).items():
+        path = out_dir / env / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=0) + "\n")
+        paths[name] = path
+    return paths
+
+
+def load_split(env: str, split: str, data_dir: Path = DATA_DIR) -> list[dict]:
+    """Read ``data/<env>/<split>.json``; a missing file names the command that writes it."""
+    path = data_dir / env / f"{split}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: run `scalinginter splits {env}` to write it")
+    return json.loads(path.read_text())

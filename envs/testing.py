@@ -1,0 +1,75 @@
+"""Start a real environment server in a subprocess on a free localhost port (tests, benchmarks, demos)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll ``url/health`` until it answers; fail early if the server process died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"environment server exited with code {proc.returncode} before becoming healthy")
+        try:
+            response = httpx.get(f"{url}/health", timeout=2.0)
+            if response.status_code == 200:
+                return response.json()
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"environment server at {url} not healthy after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running_server(
+    env: str,
+    *,
+    max_instances: int = 1024,
+    idle_ttl_s: float = 600.0,
+    token: str | None = None,
+    max_body_bytes: int = 64 << 20,
+    timeout_s: float = 60.0,
+    **backend_options: Any,
+) -> Iterator[str]:
+    """Run ``python -m envs.server ENV`` on a free port; yield its base URL; always stop it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port), "--max-instances", str(max_instances),
+           "--idle-ttl", str(idle_ttl_s), "--max-body-bytes", str(max_body_bytes)]
+    if token is not None:
+        cmd += ["--token", token]
+    for key, value in backend_options.items():
+        cmd += ["--option", f"{key}={value}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,136 @@
+"""The ``scalinginter`` command line.
+
+    scalinginter serve babyai --port 8000           # an environment server (AgentGym wire protocol)
+    scalinginter demo babyai                         # start a server, run one expert episode through HTTP
+    scalinginter expert textcraft --split test       # expert success over a split, through HTTP
+    scalinginter splits babyai                       # (re)write data/babyai/{train,test}.json
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from envs.registry import SERVED, UnknownEnvironmentError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter-RL agent training pipeline.")
+console = Console()
+
+EnvArg = Annotated[str, typer.Argument(help=f"environment: one of {', '.join(SERVED)}")]
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def _check_env(env: str) -> None:
+    if env not in SERVED:
+        _fail(str(UnknownEnvironmentError(f"unknown environment {env!r}: choose one of {', '.join(SERVED)}")))
+
+
+@app.command()
+def serve(
+    env: EnvArg,
+    host: Annotated[str, typer.Option(help="interface to bind; 0.0.0.0 exposes it to the network")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    max_instances: Annotated[int, typer.Option(help="live instances allowed at once (429 beyond)")] = 1024,
+    idle_ttl: Annotated[float, typer.Option(help="seconds of inactivity before an instance is reaped")] = 600.0,
+    token: Annotated[
+        str | None, typer.Option(envvar="SCALINGINTER_ENV_TOKEN", help="bearer token required on all but /health")
+    ] = None,
+    option: Annotated[list[str] | None, typer.Option(help="backend option key=value (repeatable)")] = None,
+) -> None:
+    """Serve environment ENV over HTTP with uvicorn."""
+    from envs.server import parse_options
+    from envs.server import serve as run_server
+
+    _check_env(env)
+    try:
+        options = parse_options(option or [])
+    except ValueError as err:
+        _fail(str(err))
+    console.print(f"serving [bold]{env}[/bold] on http://{host}:{port} (auth {'on' if token else 'off'})")
+    run_server(env, host, port, max_instances=max_instances, idle_ttl_s=idle_ttl, token=token, options=options)
+
+
+@app.command()
+def demo(
+    env: EnvArg = "babyai",
+    data_idx: Annotated[int, typer.Option(help="task index to play")] = 0,
+) -> None:
+    """Start an environment server, play one expert episode against it through HTTP, print the transcript."""
+    from envs.registry import client_class, expert
+    from envs.testing import running_server
+
+    _check_env(env)
+    console.print(f"starting the {env} environment server (a subprocess on a free localhost port)")
+    with running_server(env) as url:
+        console.print(f"[bold]{env}[/bold] server up at {url}; expert episode on data_idx {data_idx}")
+        client = client_class(env)(url)
+        try:
+            transcript = _TranscriptClient(client)
+            final = expert(env)(transcript, data_idx)
+        finally:
+            client.close()
+    console.print(f"episode done={final.done} success={final.success} reward={final.reward:.3f} "
+                  f"score={final.score:g} turns={transcript.turns}")
+
+
+class _TranscriptClient:
+    """Wraps a client and prints every turn as it happens."""
+
+    def __init__(self, client: object) -> None:
+        self._client, self.turns = client, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def reset(self, data_idx: int):
+        out = self._client.reset(data_idx)
+        console.print(f"[dim]observation:[/dim] {out.observation}")
+        return out
+
+    def step(self, reply: str):
+        self.turns += 1
+        out = self._client.step(reply)
+        console.print(f"[cyan]turn {self.turns} agent:[/cyan] {reply.splitlines()[-1]}")
+        console.print(f"[dim]observation:[/dim] {out.observation[:300]}  [dim](reward {out.reward:.3f})[/dim]")
+        return out
+
+
+@app.command()
+def expert(
+    env: EnvArg,
+    split: Annotated[str, typer.Option(help="train or test")] = "test",
+    limit: Annotated[int | None, typer.Option(help="only the first N items")] = None,
+    url: Annotated[str | None, typer.Option(help="use a running server instead of starting one")] = None,
+) -> None:
+    """Run the environment's expert over a split through HTTP and print its success rate per sub-task."""
+    from envs.experts import run_experts
+
+    _check_env(env)
+    report = run_experts(env, split, limit=limit, url=url, progress=True)
+    for sub_task, (ok, n) in sorted(report.by_sub_task.items()):
+        console.print(f"{sub_task:>14}: {ok}/{n}")
+    console.print(f"[bold]success {report.successes}/{report.total} = {report.rate:.1%}[/bold]")
+
+
+@app.command()
+def splits(env: EnvArg) -> None:
+    """Write data/ENV/train.json and test.json (deterministic)."""
+    from envs.registry import load_backend
+    from envs.splits import write_splits
+
+    _check_env(env)
+    paths = write_splits(env, load_backend(env))
+    for name, path in paths.items():
+        console.print(f"wrote {path} ({name})")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()

@@ -1,0 +1,207 @@
+"""Protocol conformance of every served environment through real HTTP on localhost.
+
+AgentGym's field names, real error statuses for every kind of bad request, batch stepping, auth,
+limits and the idle reaper.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from envs.registry import client_class, expert
+from envs.testing import running_server
+
+ENVS = ["babyai", "textcraft", "sciworld"]
+OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6}
+FIELDS = {
+    "babyai": {"observation", "reward", "score", "deleted", "done"},
+    "textcraft": {"id", "observation", "done", "reward"},
+    "sciworld": {"task_name", "var_num", "task_description", "observation", "reward", "score", "deleted", "done"},
+}
+
+
+@pytest.fixture(params=ENVS)
+def env(request: pytest.FixtureRequest) -> str:
+    if request.param == "sciworld":
+        request.applymarker(pytest.mark.jvm)
+    return request.param
+
+
+@pytest.fixture
+def http(env: str, env_server) -> httpx.Client:
+    with httpx.Client(base_url=env_server(env), timeout=120.0) as client:
+        yield client
+
+
+def _new(http: httpx.Client, data_idx: int = 1) -> int:
+    created = http.post("/create")  # AgentGym clients send no body and no content type
+    assert created.status_code == 200, created.text
+    idx = created.json()["id"]
+    assert http.post("/reset", json={"id": idx, "data_idx": data_idx}).status_code == 200
+    return idx
+
+
+def test_wire_fields_match_agentgym(env: str, http: httpx.Client) -> None:
+    idx = http.post("/create").json()["id"]
+    reset = http.post("/reset", json={"id": idx, "data_idx": 1})
+    assert reset.status_code == 200
+    body = reset.json()
+    assert FIELDS[env] <= set(body), f"missing {FIELDS[env] - set(body)}"
+    assert body["done"] is False and body["reward"] == 0.0 and isinstance(body["observation"], str)
+    actions = http.get("/available_actions", params={"id": idx})
+    assert actions.status_code == 200 and actions.json()["available_actions"]
+    step = http.post("/step", json={"id": idx, "action": "inventory" if env != "babyai" else "turn left"})
+    assert step.status_code == 200
+    assert {"observation", "reward", "score", "done"} <= set(step.json())
+    assert 0.0 <= step.json()["reward"] <= 1.0
+    obs = http.get("/observation", params={"id": idx})
+    assert obs.status_code == 200 and obs.json()["observation"] == step.json()["observation"]
+    assert http.post("/close", json={"id": idx}).json() is True
+
+
+def test_unknown_id_is_404_everywhere(http: httpx.Client) -> None:
+    missing = 10**9
+    for response in (
+        http.post("/reset", json={"id": missing, "data_idx": 0}),
+        http.post("/step", json={"id": missing, "action": "look"}),
+        http.post("/step_batch", json={"steps": [{"id": missing, "action": "look"}]}),
+        http.get("/observation", params={"id": missing}),
+        http.get("/available_actions", params={"id": missing}),
+        http.post("/close", json={"id": missing}),
+    ):
+        assert response.status_code == 404, response.request.url
+        assert str(missing) in response.json()["detail"]
+
+
+def test_closed_id_is_404_and_ids_are_never_reused(http: httpx.Client) -> None:
+    first = _new(http)
+    assert http.post("/close", json={"id": first}).status_code == 200
+    assert http.post("/step", json={"id": first, "action": "x"}).status_code == 404
+    assert http.post("/close", json={"id": first}).status_code == 404
+    second = http.post("/create").json()["id"]
+    assert second > first
+    http.post("/close", json={"id": second})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\x00\xff\xfe garbage", b"{}", b'{"id": "one", "action": "x"}', b'{"id": 0}', b'{"id": 0, "action": 7}',
+     b"[1, 2, 3]", b'{"id": -3, "action": "x"}'],
+)
+def test_malformed_step_body_is_422(http: httpx.Client, body: bytes) -> None:
+    response = http.post("/step", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert response.json()["detail"]
+
+
+def test_data_idx_out_of_range_is_422_naming_the_range(env: str, http: httpx.Client) -> None:
+    idx = http.post("/create").json()["id"]
+    response = http.post("/reset", json={"id": idx, "data_idx": OUT_OF_RANGE[env]})
+    assert response.status_code == 422
+    assert "data_idx" in response.json()["detail"] and "valid" in response.json()["detail"]
+    http.post("/close", json={"id": idx})
+
+
+def test_step_before_reset_and_after_done_is_409(env: str, http: httpx.Client, env_server) -> None:
+    idx = http.post("/create").json()["id"]
+    assert http.post("/step", json={"id": idx, "action": "inventory"}).status_code == 409
+    http.post("/close", json={"id": idx})
+    client = client_class(env)(env_server(env))
+    final = expert(env)(client, 1)
+    assert final.done
+    again = client.http.post("/step", json={"id": client.id, "action": "inventory"})
+    assert again.status_code == 409 and "finished" in again.json()["detail"]
+    batch = client.http.post("/step_batch", json={"steps": [{"id": client.id, "action": "inventory"}]})
+    assert batch.status_code == 409
+    client.close()
+
+
+def test_action_over_1mb_is_413(http: httpx.Client) -> None:
+    idx = _new(http)
+    response = http.post("/step", json={"id": idx, "action": "a" * (1 << 20) + "b"})
+    assert response.status_code == 413 and "limit" in response.json()["detail"]
+    assert http.post("/step", json={"id": idx, "action": "inventory"}).status_code == 200
+    http.post("/close", json={"id": idx})
+
+
+def test_batch_step_matches_single_steps_and_is_atomic(env: str, http: httpx.Client) -> None:
+    ids = [_new(http, data_idx=i) for i in (1, 2, 3)]
+    action = "turn left" if env == "babyai" else "inventory"
+    batch = http.post("/step_batch", json={"steps": [{"id": i, "action": action} for i in ids]})
+    assert batch.status_code == 200
+    results = batch.json()["results"]
+    assert [r["id"] for r in results] == ids
+    for i, result in zip(ids, results, strict=True):
+        assert http.get("/observation", params={"id": i}).json()["observation"] == result["observation"]
+    dup = http.post("/step_batch", json={"steps": [{"id": ids[0], "action": action}] * 2})
+    assert dup.status_code == 422
+    before = http.get("/observation", params={"id": ids[0]}).json()["observation"]
+    steps = [{"id": ids[0], "action": "turn right"}, {"id": 10**9, "action": "x"}]
+    mixed = http.post("/step_batch", json={"steps": steps})
+    assert mixed.status_code == 404
+    assert http.get("/observation", params={"id": ids[0]}).json()["observation"] == before  # nothing stepped
+    for i in ids:
+        http.post("/close", json={"id": i})
+
+
+def test_bad_input_never_kills_the_server(http: httpx.Client) -> None:
+    rng = __import__("random").Random(0)
+    for path in ("/create", "/reset", "/step", "/step_batch", "/close"):
+        for _ in range(10):
+            junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+            response = http.post(path, content=junk, headers={"content-type": "application/json"})
+            assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
+    for params in ({"id": "abc"}, {}, {"id": "-1"}):
+        assert 400 <= http.get("/observation", params=params).status_code < 500
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_instance_limit_is_429_and_frees_on_close() -> None:
+    with running_server("textcraft", max_instances=2) as url, httpx.Client(base_url=url) as http:
+        ids = [http.post("/create").json()["id"] for _ in range(2)]
+        full = http.post("/create")
+        assert full.status_code == 429 and "limit" in full.json()["detail"]
+        http.post("/close", json={"id": ids[0]})
+        assert http.post("/create").status_code == 200
+
+
+def test_bearer_token_guards_everything_but_health() -> None:
+    with running_server("textcraft", token="s3cret") as url, httpx.Client(base_url=url) as http:
+        assert http.get("/health").status_code == 200
+        assert http.post("/create").status_code == 401
+        wrong = http.post("/create", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "token" in wrong.json()["detail"]
+        assert http.get("/observation", params={"id": 0}).status_code == 401
+        client = client_class("textcraft")(url, token="s3cret")
+        assert client.reset(0).observation.startswith("Crafting commands:")
+        client.close()
+        os.environ["SCALINGINTER_ENV_TOKEN"] = "s3cret"  # the client also reads the environment variable
+        try:
+            client_class("textcraft")(url).close()
+        finally:
+            del os.environ["SCALINGINTER_ENV_TOKEN"]
+
+
+def test_idle_reaper_closes_abandoned_instances() -> None:
+    with running_server("babyai", idle_ttl_s=0.5) as url, httpx.Client(base_url=url) as http:
+        idx = _new(http)
+        busy = _new(http)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # keep one instance in use; abandon the other
+            http.get("/observation", params={"id": busy})
+            time.sleep(0.1)
+        assert http.post("/step", json={"id": idx, "action": "turn left"}).status_code == 404
+        assert http.post("/step", json={"id": busy, "action": "turn left"}).status_code == 200
+        health = http.get("/health").json()
+        assert health["reaped"] >= 1 and health["instances"] == 1
+
+
+def test_body_over_server_limit_is_413_before_parsing() -> None:
+    with running_server("textcraft", max_body_bytes=1 << 20) as url, httpx.Client(base_url=url) as http:
+        response = http.post("/step_batch", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+        assert response.status_code == 413 and "limit" in response.json()["detail"]
+        assert http.get("/health").status_code == 200
