@@ -209,14 +209,15 @@ def create_app(
             slot.reset, slot.done = True, result.done
         return {"id": body.id, **_payload(result), "deleted": False}
 
+    # The hot endpoints return a ready JSONResponse: it skips FastAPI's recursive encoder (a rollout's cost).
     @app.post("/step", dependencies=guarded)
-    def step(body: StepBody) -> dict[str, Any]:
+    def step(body: StepBody) -> JSONResponse:
         _check_action(body.action)
         with table.use(body.id) as slot:
-            return _payload(_step(slot, body.id, body.action))
+            return JSONResponse(_payload(_step(slot, body.id, body.action)))
 
     @app.post("/step_batch", dependencies=guarded)
-    def step_batch(body: BatchBody) -> dict[str, Any]:
+    def step_batch(body: BatchBody) -> JSONResponse:
         ids = [s.id for s in body.steps]
         if len(set(ids)) != len(ids):
             raise RequestShapeError("step_batch got the same instance id twice; send one action per instance")
@@ -227,7 +228,8 @@ def create_app(
             for i, slot in slots.items():
                 if not slot.reset or slot.done:
                     _step(slot, i, "")  # raises the precise 409 before anything is stepped
-            return {"results": [{"id": s.id, **_payload(_step(slots[s.id], s.id, s.action))} for s in body.steps]}
+            results = [{"id": s.id, **_payload(_step(slots[s.id], s.id, s.action))} for s in body.steps]
+        return JSONResponse({"results": results})
 
     @app.get("/observation", dependencies=guarded)
     def observation(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:

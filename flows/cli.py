@@ -120,13 +120,13 @@ def expert(
 
 
 @app.command()
-def splits(env: EnvArg) -> None:
+def splits(env: EnvArg, seed: Annotated[int, typer.Option(help="seed of the stratified sample")] = 0) -> None:
     """Write data/ENV/train.json and test.json (deterministic)."""
     from envs.registry import load_backend
     from envs.splits import write_splits
 
     _check_env(env)
-    paths = write_splits(env, load_backend(env))
+    paths = write_splits(env, load_backend(env), seed=seed)
     for name, path in paths.items():
         console.print(f"wrote {path} ({name})")
 

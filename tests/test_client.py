@@ -1,0 +1,89 @@
+"""The HTTP clients: prompts, local rejection of malformed replies, sync/async parity, batch stepping."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from envs.client import EnvServerError, step_many
+from envs.react import MULTIPLE_ACTIONS
+from envs.registry import SERVED, UnknownEnvironmentError, async_client_class, client_class, load_backend
+
+
+@pytest.mark.parametrize("env", SERVED)
+def test_every_client_carries_an_instruction_prompt(env: str) -> None:
+    human, gpt = client_class(env).conversation_start
+    assert human["from"] == "human" and "Action" in human["value"] and len(human["value"]) > 200
+    assert gpt["from"] == "gpt" and gpt["value"]
+    assert async_client_class(env).conversation_start == client_class(env).conversation_start
+
+
+def test_unknown_environment_names_the_choices() -> None:
+    with pytest.raises(UnknownEnvironmentError, match="babyai, textcraft, sciworld"):
+        load_backend("minecraft")
+
+
+def test_malformed_reply_is_answered_locally_without_a_request(env_server) -> None:
+    sent: list[str] = []
+    url = env_server("textcraft")
+    with httpx.Client(base_url=url, event_hooks={"request": [lambda r: sent.append(r.url.path)]}) as http:
+        client = client_class("textcraft")(url, http=http)
+        client.reset(0)
+        sent.clear()
+        out = client.step("Thought: two at once\nAction: inventory\nAction: inventory")
+        assert out.observation == MULTIPLE_ACTIONS and out.reward == 0.0 and not out.done and not out.sent
+        assert sent == []
+        out = client.step("Thought: fine\nAction: inventory")
+        assert out.sent and out.observation.startswith("Inventory") and sent == ["/step"]
+        client.close()
+
+
+def test_step_many_sends_one_request_for_a_round(env_server) -> None:
+    sent: list[str] = []
+    url = env_server("textcraft")
+    with httpx.Client(base_url=url, event_hooks={"request": [lambda r: sent.append(r.url.path)]}) as http:
+        clients = [client_class("textcraft")(url, http=http) for _ in range(5)]
+        for i, c in enumerate(clients):
+            c.reset(i)
+        sent.clear()
+        replies = ["Thought: x\nAction: inventory"] * 4 + ["no action here"]
+        outs = step_many(clients, replies)
+        assert sent == ["/step_batch"]
+        assert [o.sent for o in outs] == [True] * 4 + [False]
+        assert all(o.observation.startswith("Inventory") for o in outs[:4])
+        for c in clients:
+            c.close()
+
+
+def test_server_errors_raise_with_the_servers_message(env_server) -> None:
+    client = client_class("textcraft")(env_server("textcraft"))
+    with pytest.raises(EnvServerError, match="out of range") as err:
+        client.reset(10**6)
+    assert err.value.status_code == 422
+    client.close()
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    with pytest.raises(EnvServerError, match="cannot reach"):
+        client_class("babyai")("http://127.0.0.1:9")
+
+
+def test_async_client_matches_sync_client(env_server) -> None:
+    url = env_server("babyai")
+    sync = client_class("babyai")(url)
+    expected = [sync.reset(7).observation]
+    expected += [sync.step(f"Action: {a}").observation for a in ("turn left", "move forward")]
+    sync.close()
+
+    async def play() -> list[str]:
+        client = await async_client_class("babyai").create(url)
+        seen = [(await client.reset(7)).observation]
+        for a in ("turn left", "move forward"):
+            seen.append((await client.step(f"Action: {a}")).observation)
+        assert await client.available_actions()
+        await client.close()
+        return seen
+
+    assert asyncio.run(play()) == expected
