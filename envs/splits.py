@@ -2,7 +2,7 @@
 
 Each split is a JSON list of ``{"item_id": "<env>_<idx>", "sub_task": <label>}`` sorted by index. The
 test items are a seeded sample of the index space stratified by sub-task (so every sub-task is in the
-test set in proportion), the training items the first ``n_train`` of the rest. Sizes follow AgentGym
+test set in proportion), the training items a seeded sample of ``n_train`` of the rest. Sizes follow AgentGym
 where known (BabyAI 810/90, TextCraft 374/100, SciWorld 2120/200).
 """
 
@@ -47,7 +47,8 @@ def make_split(env: str, labels: list[str], n_train: int, n_test: int, seed: int
     rest = sorted(set(range(len(labels))) - set(test))
     rng.shuffle(test)
     test = sorted(test[:n_test] if len(test) >= n_test else test + rng.sample(rest, n_test - len(test)))
-    train = [i for i in sorted(set(range(len(labels))) - set(test))][:n_train]
+    rest = sorted(set(range(len(labels))) - set(test))
+    train = sorted(rng.sample(rest, n_train))
 
     def rows(indices: list[int]) -> list[dict]:
         return [{"item_id": f"{env}_{i}", "sub_task": labels[i]} for i in indices]
