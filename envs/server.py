@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
 from envs.client import TOKEN_ENV_VAR
@@ -168,6 +169,12 @@ def create_app(
                   for e in exc.errors()]
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
         return JSONResponse({"detail": f"malformed request: {detail}", "errors": errors}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's "error parsing the body": a malformed body, hence 422
+            return JSONResponse({"detail": f"malformed request: the body is not valid JSON ({exc.detail})"}, 422)
+        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
