@@ -134,3 +134,7 @@ def splits(env: EnvArg, seed: Annotated[int, typer.Option(help="seed of the stra
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The command line: `scalinginter serve` starts a real server; bad input gets one clear message."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+from typer.testing import CliRunner
+
+from envs.testing import ROOT, free_port, wait_healthy
+from flows.cli import app
+
+runner = CliRunner()
+
+
+def test_serve_starts_a_server_that_answers_health_and_stops_on_sigint() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "textcraft", "--port", str(port)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        health = wait_healthy(f"http://127.0.0.1:{port}", proc)
+        assert health["env"] == "textcraft" and health["num_items"] == 544
+        assert httpx.post(f"http://127.0.0.1:{port}/create").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_unknown_environment_is_one_clear_message() -> None:
+    result = runner.invoke(app, ["serve", "minecraft"])
+    assert result.exit_code == 2
+    assert "unknown environment 'minecraft'" in result.output and "babyai" in result.output
+
+
+def test_malformed_backend_option_is_one_clear_message() -> None:
+    result = runner.invoke(app, ["serve", "textcraft", "--option", "novalue"])
+    assert result.exit_code == 2 and "key=value" in result.output
+
+
+def test_demo_plays_an_expert_episode_through_http() -> None:
+    result = runner.invoke(app, ["demo", "textcraft", "--data-idx", "5"])
+    assert result.exit_code == 0, result.output
+    assert "success=True" in result.output and "turn 1 agent:" in result.output
