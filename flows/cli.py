@@ -131,6 +131,46 @@ def splits(env: EnvArg, seed: Annotated[int, typer.Option(help="seed of the stra
         console.print(f"wrote {path} ({name})")
 
 
+@app.command()
+def curriculum(
+    env: Annotated[str | None, typer.Argument(help="print this environment's configured phases")] = None,
+    profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
+    cap: Annotated[int | None, typer.Option(help="the environment's maximum turns")] = None,
+    h1: Annotated[int | None, typer.Option(help="first phase's turn cap")] = None,
+    delta_h: Annotated[int | None, typer.Option(help="growth of h per phase")] = None,
+    every: Annotated[int | None, typer.Option(help="steps per phase (the paper's Delta)")] = None,
+    t: Annotated[int | None, typer.Option(help="print h(t) for this training step")] = None,
+    total_steps: Annotated[int | None, typer.Option(help="print the phase table over this many steps")] = None,
+) -> None:
+    """Print h(t) or the phase table of the recurrence, or ENV's configured phases from params.yaml."""
+    from rich.table import Table
+
+    from training.config import ConfigError, curriculum_config, load_params
+    from training.curriculum import horizon, recurrence_phases
+
+    recurrence = (cap, h1, delta_h, every)
+    try:
+        if env is not None:
+            profile = profile or load_params().get("curriculum", {}).get("profile", "smoke")
+            config = curriculum_config(env, profile)
+            phases, title = config.phases(), f"{env} (profile {profile}, cap {config.cap})"
+        elif None in recurrence:
+            _fail("give ENV, or all of --cap --h1 --delta-h --every (plus --t or --total-steps)")
+        elif t is not None:
+            console.print(f"h({t}) = min({h1} + {delta_h} * floor({t} / {every}), {cap}) = "
+                          f"[bold]{horizon(t, h1, delta_h, every, cap)}[/bold]")
+            return
+        else:
+            steps = total_steps or every * ((cap - h1) // max(delta_h, 1) + 2)
+            phases, title = recurrence_phases(h1, delta_h, every, cap, steps), f"cap {cap}, {steps} steps"
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+    table = Table("phase", "h", "first step", "last step", "steps", title=title)
+    for p in phases:
+        table.add_row(str(p.index), str(p.h), str(p.first_step), str(p.last_step), str(p.steps))
+    console.print(table)
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()
