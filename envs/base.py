@@ -35,6 +35,18 @@ class StepResult:
     success: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON fields of a /reset or /step response (``info`` merged in at the top level)."""
+        out = {
+            "observation": self.observation,
+            "reward": float(self.reward),
+            "score": float(self.score),
+            "done": bool(self.done),
+            "success": bool(self.success),
+        }
+        out.update(self.info)
+        return out
+
 
 class EnvError(Exception):
     """Base class of the errors an environment raises on bad requests (mapped to HTTP statuses)."""

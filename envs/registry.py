@@ -41,6 +41,12 @@ def client_class(name: str) -> type[BaseEnvClient]:
     return _attr(f"envs.{name}.client", "Client")
 
 
+def spec_class(name: str) -> type:
+    """The prompt-and-parsing mixin of environment ``name`` (``envs.<name>.client.Spec``)."""
+    _check(name)
+    return _attr(f"envs.{name}.client", "Spec")
+
+
 def async_client_class(name: str) -> type[AsyncBaseEnvClient]:
     """The asynchronous client class of environment ``name`` (``envs.<name>.client.AsyncClient``)."""
     _check(name)

@@ -71,18 +71,6 @@ class BatchBody(_Body):
     steps: list[StepBody] = Field(min_length=1)
 
 
-def _payload(result: StepResult) -> dict[str, Any]:
-    out = {
-        "observation": result.observation,
-        "reward": float(result.reward),
-        "score": float(result.score),
-        "done": bool(result.done),
-        "success": bool(result.success),
-    }
-    out.update(result.info)
-    return out
-
-
 def _check_action(action: str) -> None:
     if len(action) > MAX_ACTION_BYTES // 4 and len(action.encode()) > MAX_ACTION_BYTES:
         raise ActionTooLargeError(f"action is {len(action.encode())} bytes; the limit is {MAX_ACTION_BYTES} bytes")
@@ -214,14 +202,14 @@ def create_app(
         with table.use(body.id) as slot:
             result = slot.env.reset(body.data_idx)
             slot.reset, slot.done = True, result.done
-        return {"id": body.id, **_payload(result), "deleted": False}
+        return {"id": body.id, **result.to_wire(), "deleted": False}
 
     # The hot endpoints return a ready JSONResponse: it skips FastAPI's recursive encoder (a rollout's cost).
     @app.post("/step", dependencies=guarded)
     def step(body: StepBody) -> JSONResponse:
         _check_action(body.action)
         with table.use(body.id) as slot:
-            return JSONResponse(_payload(_step(slot, body.id, body.action)))
+            return JSONResponse(_step(slot, body.id, body.action).to_wire())
 
     @app.post("/step_batch", dependencies=guarded)
     def step_batch(body: BatchBody) -> JSONResponse:
@@ -235,7 +223,7 @@ def create_app(
             for i, slot in slots.items():
                 if not slot.reset or slot.done:
                     _step(slot, i, "")  # raises the precise 409 before anything is stepped
-            results = [{"id": s.id, **_payload(_step(slots[s.id], s.id, s.action))} for s in body.steps]
+            results = [{"id": s.id, **_step(slots[s.id], s.id, s.action).to_wire()} for s in body.steps]
         return JSONResponse({"results": results})
 
     @app.get("/observation", dependencies=guarded)
