@@ -171,6 +171,31 @@ def curriculum(
     console.print(table)
 
 
+@app.command("build-model")
+def build_model(
+    preset: Annotated[str, typer.Option(help="tiny (built locally); hub presets load by id instead")] = "tiny",
+    out: Annotated[str, typer.Option(help="folder to write the HF model into")] = "models/tiny",
+    seed: Annotated[int, typer.Option(help="seed of the random init")] = 0,
+    episodes: Annotated[int, typer.Option(help="expert episodes per environment in the tokenizer corpus")] = 8,
+) -> None:
+    """Build the default policy locally: a tokenizer trained on environment text and a tiny random Qwen2."""
+    from pathlib import Path
+
+    from envs.corpus import expert_corpus
+    from envs.registry import SERVED
+    from training.model import PRESETS, build_tiny
+
+    if preset not in PRESETS:
+        _fail(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    if PRESETS[preset].hub_id is not None:
+        _fail(f"preset {preset!r} is the hub model {PRESETS[preset].hub_id}: pass it to training directly, "
+              "nothing to build")
+    with console.status("collecting environment text from expert episodes"):
+        corpus = list(expert_corpus({env: episodes for env in SERVED}))
+    path = build_tiny(corpus, Path(out), seed=seed, preset=PRESETS[preset])
+    console.print(f"wrote {preset} model to {path} ({len(corpus)} corpus texts)")
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

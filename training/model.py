@@ -1,0 +1,130 @@
+"""The policy model: a tiny Qwen2 built locally (no download), or a real model by hub id.
+
+    scalinginter build-model --preset tiny --out models/tiny
+
+``tiny`` trains a byte-level BPE tokenizer with ``tokenizers`` on the environments' own text
+(instructions, observations and actions of expert episodes) through Qwen2's pre-tokenizer pipeline (NFC;
+split on Qwen2's regex, isolated; byte-level without its own regex), so ``AutoTokenizer`` on the saved
+folder, which rebuilds a Qwen2 tokenizer, gives the same ids. It adds a ChatML template whose assistant
+turns are wrapped in ``{% generation %}`` (so ``return_assistant_tokens_mask`` works), saves the left
+padding side, and writes a random-init Qwen2 of a few million parameters as a normal HF model folder.
+Same seed, same corpus -> the same files. The hub presets (Qwen2.5-3B/7B-Instruct) load through
+:func:`load_policy` for users with internet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+END_OF_TURN = "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A policy model: built locally (``hub_id`` None) or loaded by hub id."""
+
+    hub_id: str | None = None
+    vocab_size: int = 4096
+    hidden_size: int = 192
+    intermediate_size: int = 512
+    num_layers: int = 4
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    max_positions: int = 8192
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(),
+    "qwen2.5-3b-instruct": Preset(hub_id="Qwen/Qwen2.5-3B-Instruct"),
+    "qwen2.5-7b-instruct": Preset(hub_id="Qwen/Qwen2.5-7B-Instruct"),
+}
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``corpus`` through Qwen2's pre-tokenizer pipeline."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_OF_TURN,
+        pad_token="<|endoftext|>",
+        padding_side="left",  # saved only when passed to the constructor
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=Preset().max_positions,
+    )
+
+
+def build_tiny(corpus: Iterable[str], out_dir: Path, seed: int = 0, preset: Preset = PRESETS["tiny"]) -> Path:
+    """Write a tiny random-init Qwen2 model and its locally trained tokenizer to ``out_dir``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = train_tokenizer(corpus, preset.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_policy(
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Load a policy and its tokenizer from a local folder, a preset name or a hub id."""
+    source = str(name_or_path)
+    if source in PRESETS:
+        hub_id = PRESETS[source].hub_id
+        if hub_id is None:
+            raise ValueError(f"preset {source!r} is built locally: run `scalinginter build-model --preset {source}` "
+                             "and pass the folder it writes")
+        source = hub_id
+    elif not Path(source).exists() and "/" not in source:
+        raise FileNotFoundError(f"model {source!r} is neither a folder, a preset ({', '.join(PRESETS)}) nor a hub id")
+    tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    return model, tokenizer
