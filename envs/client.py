@@ -41,14 +41,31 @@ class StepOutput:
     success: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     sent: bool = True
+    error: str | None = None  # set by step_many(partial=True) when this instance's simulator failed
 
 
 class EnvServerError(RuntimeError):
-    """The server answered with an error status, or could not be reached."""
+    """The server answered with an error status, or could not be reached.
 
-    def __init__(self, message: str, status_code: int | None = None) -> None:
+    ``retryable`` is true when repeating the request is safe and may succeed: the connection was never
+    made (the request cannot have been applied), or the server said it is full (429/503). ``payload`` is
+    the server's JSON error body (``/step_batch`` puts the results of the instances it did step there).
+    """
+
+    def __init__(
+        self, message: str, status_code: int | None = None, *, retryable: bool = False, payload: Any = None
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.retryable = retryable or status_code in (429, 503)
+        self.payload = payload if payload is not None else {}
+
+
+def _transport_error(method: str, path: str, base_url: object, err: httpx.TransportError) -> EnvServerError:
+    return EnvServerError(
+        f"{method} {path}: cannot reach {base_url}: {type(err).__name__}: {err}",
+        retryable=isinstance(err, httpx.ConnectError),
+    )
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -60,12 +77,14 @@ def _check(response: httpx.Response) -> Any:
     if response.is_success:
         return response.json()
     try:
-        detail = response.json().get("detail", response.text)
+        payload = response.json()
+        detail = payload.get("detail", response.text) if isinstance(payload, dict) else response.text
     except ValueError:
-        detail = response.text
+        payload, detail = {}, response.text
     raise EnvServerError(
         f"{response.request.method} {response.request.url.path} -> HTTP {response.status_code}: {detail}",
         response.status_code,
+        payload=payload,
     )
 
 
@@ -134,13 +153,13 @@ class BaseEnvClient(ClientLogic):
         try:
             return _check(self.http.post(path, json=body))
         except httpx.TransportError as err:
-            raise EnvServerError(f"POST {path}: cannot reach {self.http.base_url}: {err}") from err
+            raise _transport_error("POST", path, self.http.base_url, err) from err
 
     def _get(self, path: str) -> Any:
         try:
             return _check(self.http.get(path, params={"id": self.id}))
         except httpx.TransportError as err:
-            raise EnvServerError(f"GET {path}: cannot reach {self.http.base_url}: {err}") from err
+            raise _transport_error("GET", path, self.http.base_url, err) from err
 
     def reset(self, data_idx: int) -> StepOutput:
         payload = self._post("/reset", {"id": self.id, "data_idx": data_idx})
@@ -198,13 +217,13 @@ class AsyncBaseEnvClient(ClientLogic):
         try:
             return _check(await self.http.post(path, json=body))
         except httpx.TransportError as err:
-            raise EnvServerError(f"POST {path}: cannot reach {self.http.base_url}: {err}") from err
+            raise _transport_error("POST", path, self.http.base_url, err) from err
 
     async def _get(self, path: str) -> Any:
         try:
             return _check(await self.http.get(path, params={"id": self.id}))
         except httpx.TransportError as err:
-            raise EnvServerError(f"GET {path}: cannot reach {self.http.base_url}: {err}") from err
+            raise _transport_error("GET", path, self.http.base_url, err) from err
 
     async def reset(self, data_idx: int) -> StepOutput:
         payload = await self._post("/reset", {"id": self.id, "data_idx": data_idx})
@@ -239,20 +258,55 @@ def _batch_plan(clients: Sequence[ClientLogic], replies: Sequence[str]) -> tuple
     return prepared, steps
 
 
-def _batch_outputs(clients: Sequence[ClientLogic], prepared: list[Any], results: list[dict]) -> list[StepOutput]:
+def _batch_outputs(clients: Sequence[ClientLogic], prepared: list[Any], results: list[dict | None],
+                   errors: dict[str, str]) -> list[StepOutput]:
     it = iter(results)
-    return [a if isinstance(a, StepOutput) else c._output(next(it)) for c, a in zip(clients, prepared, strict=True)]
+    outputs = []
+    for client, action in zip(clients, prepared, strict=True):
+        if isinstance(action, StepOutput):
+            outputs.append(action)
+            continue
+        result = next(it)
+        if result is None:
+            outputs.append(StepOutput("", error=errors.get(str(client.id), "environment error")))
+        else:
+            outputs.append(client._output(result))
+    return outputs
 
 
-def step_many(clients: Sequence[BaseEnvClient], replies: Sequence[str]) -> list[StepOutput]:
-    """Step many instances of one server in one ``POST /step_batch`` request (a rollout round)."""
+def _partial(err: EnvServerError, partial: bool) -> tuple[list[dict | None], dict[str, str]]:
+    if not partial or not isinstance(err.payload, dict) or "results" not in err.payload:
+        raise err
+    return err.payload["results"], err.payload.get("errors", {})
+
+
+def step_many(clients: Sequence[BaseEnvClient], replies: Sequence[str], *, partial: bool = False) -> list[StepOutput]:
+    """Step many instances of one server in one ``POST /step_batch`` request (a rollout round).
+
+    With ``partial=True``, instances whose simulator failed come back with ``StepOutput.error`` set
+    instead of failing the whole round (the server still stepped the others).
+    """
     prepared, steps = _batch_plan(clients, replies)
-    results = clients[0]._post("/step_batch", {"steps": steps})["results"] if steps else []
-    return _batch_outputs(clients, prepared, results)
+    results: list[dict | None] = []
+    errors: dict[str, str] = {}
+    if steps:
+        try:
+            results = clients[0]._post("/step_batch", {"steps": steps})["results"]
+        except EnvServerError as err:
+            results, errors = _partial(err, partial)
+    return _batch_outputs(clients, prepared, results, errors)
 
 
-async def astep_many(clients: Sequence[AsyncBaseEnvClient], replies: Sequence[str]) -> list[StepOutput]:
+async def astep_many(
+    clients: Sequence[AsyncBaseEnvClient], replies: Sequence[str], *, partial: bool = False
+) -> list[StepOutput]:
     """Async form of :func:`step_many`."""
     prepared, steps = _batch_plan(clients, replies)
-    results = (await clients[0]._post("/step_batch", {"steps": steps}))["results"] if steps else []
-    return _batch_outputs(clients, prepared, results)
+    results: list[dict | None] = []
+    errors: dict[str, str] = {}
+    if steps:
+        try:
+            results = (await clients[0]._post("/step_batch", {"steps": steps}))["results"]
+        except EnvServerError as err:
+            results, errors = _partial(err, partial)
+    return _batch_outputs(clients, prepared, results, errors)

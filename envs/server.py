@@ -86,6 +86,20 @@ def _step(slot: Slot, idx: int, action: str) -> StepResult:
     return result
 
 
+def _step_all(slots: dict[int, Slot], steps: list[StepBody]) -> tuple[list[dict | None], dict[int, str]]:
+    """Step every instance; an instance whose simulator raises gets None and an error, the rest go on."""
+    results: list[dict | None] = []
+    errors: dict[int, str] = {}
+    for s in steps:
+        try:
+            results.append({"id": s.id, **_step(slots[s.id], s.id, s.action).to_wire()})
+        except Exception as exc:  # one crashed simulator must not lose the others' steps
+            log.exception("instance %d failed to step", s.id)
+            errors[s.id] = f"{type(exc).__name__}: {exc}"
+            results.append(None)
+    return results, errors
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over ``limit`` bytes with 413 before parsing them."""
 
@@ -223,7 +237,11 @@ def create_app(
             for i, slot in slots.items():
                 if not slot.reset or slot.done:
                     _step(slot, i, "")  # raises the precise 409 before anything is stepped
-            results = [{"id": s.id, **_step(slots[s.id], s.id, s.action).to_wire()} for s in body.steps]
+            results, errors = _step_all(slots, body.steps)
+        if errors:  # some simulators failed: 500, but the steps that did happen are not lost
+            detail = f"{backend.name} environment error in instance(s) {sorted(errors)}: " + "; ".join(errors.values())
+            log.error(detail)
+            return JSONResponse({"detail": detail, "results": results, "errors": errors}, 500)
         return JSONResponse({"results": results})
 
     @app.get("/observation", dependencies=guarded)

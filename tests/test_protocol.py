@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from envs.client import EnvServerError
 from envs.registry import client_class, expert
 from envs.testing import running_server
 
@@ -216,3 +217,29 @@ def test_body_over_server_limit_is_413_before_parsing() -> None:
         response = http.post("/step_batch", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
         assert response.status_code == 413 and "limit" in response.json()["detail"]
         assert http.get("/health").status_code == 200
+
+
+@pytest.mark.jvm
+def test_a_crashed_simulator_fails_only_its_own_step_in_a_batch() -> None:
+    import psutil
+
+    from envs.client import step_many
+
+    with running_server("sciworld", max_jvms=2) as url, httpx.Client(base_url=url, timeout=120.0) as http:
+        clients = [client_class("sciworld")(url, http=http) for _ in range(2)]
+        for c in clients:
+            c.reset(3)
+        server = psutil.Process(http.get("/health").json()["pid"])
+        javas = [p for p in server.children(recursive=True) if "java" in p.name()]
+        assert len(javas) == 2
+        javas[0].kill()
+        javas[0].wait(10)
+        with pytest.raises(EnvServerError) as err:
+            step_many(clients, ["Action: look around"] * 2)
+        assert err.value.status_code == 500 and len(err.value.payload["errors"]) == 1
+        outs = step_many(clients, ["Action: look around"] * 2, partial=True)
+        failed = [o for o in outs if o.error]
+        assert len(failed) == 1 and next(o.observation for o in outs if not o.error)
+        assert http.get("/health").json()["status"] == "ok"
+        for c in clients:
+            c.close()
