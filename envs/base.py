@@ -103,6 +103,8 @@ class Backend(abc.ABC):
     reset_on_create: ClassVar[bool] = False
     #: The field AgentGym's clients of this environment use for the instance id (``id`` or ``env_idx``).
     id_field: ClassVar[str] = "id"
+    #: Steps cost well under a millisecond (pure Python): the server runs them on its event loop.
+    fast_steps: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

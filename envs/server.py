@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -100,6 +101,16 @@ def _step_all(slots: dict[int, Slot], steps: list[StepBody]) -> tuple[list[dict 
     return results, errors
 
 
+def _on_loop(handler: Any) -> Any:
+    """An async endpoint that calls the sync ``handler`` directly on the event loop."""
+
+    @functools.wraps(handler)
+    async def endpoint(body: Any) -> JSONResponse:
+        return handler(body)
+
+    return endpoint  # functools.wraps exposes the handler's signature, so FastAPI parses the same body
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over ``limit`` bytes with 413 before parsing them."""
 
@@ -147,7 +158,7 @@ def create_app(
             table.close_all()
             backend.shutdown()
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: a sync dependency costs a thread hop per request
         if token is None:
             return
         header = request.headers.get("authorization", "")
@@ -219,13 +230,11 @@ def create_app(
         return {"id": body.id, **result.to_wire(), "deleted": False}
 
     # The hot endpoints return a ready JSONResponse: it skips FastAPI's recursive encoder (a rollout's cost).
-    @app.post("/step", dependencies=guarded)
-    def step(body: StepBody) -> JSONResponse:
+    def step_one(body: StepBody) -> JSONResponse:
         _check_action(body.action)
         with table.use(body.id) as slot:
             return JSONResponse(_step(slot, body.id, body.action).to_wire())
 
-    @app.post("/step_batch", dependencies=guarded)
     def step_batch(body: BatchBody) -> JSONResponse:
         ids = [s.id for s in body.steps]
         if len(set(ids)) != len(ids):
@@ -243,6 +252,14 @@ def create_app(
             log.error(detail)
             return JSONResponse({"detail": detail, "results": results, "errors": errors}, 500)
         return JSONResponse({"results": results})
+
+    # Steps of fast backends (well under a millisecond) run on the event loop: a worker-thread hop costs
+    # more than the step. Slow ones (a JVM, a browser) run in the thread pool so the loop stays free.
+    for path, handler in (("/step", step_one), ("/step_batch", step_batch)):
+        if backend.fast_steps:
+            app.post(path, dependencies=guarded)(_on_loop(handler))
+        else:
+            app.post(path, dependencies=guarded)(handler)
 
     @app.get("/observation", dependencies=guarded)
     def observation(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:

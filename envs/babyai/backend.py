@@ -180,6 +180,7 @@ class Backend(base.Backend):
     """Stateless apart from the level table: every instance owns its minigrid env."""
 
     name = "babyai"
+    fast_steps = True  # ~0.14 ms a step: cheaper on the event loop than a thread hop
 
     @property
     def num_items(self) -> int | None:
