@@ -117,3 +117,34 @@ class HFEngine:
             logits = logits / params.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return [_trim(new[i].tolist(), logprobs[i].tolist(), self.eos_token_id) for i in range(len(prompts))]
+
+
+class ScriptedEngine:
+    """A policy that writes given replies: for replaying expert episodes through the rollout machinery.
+
+    ``scripts`` maps each trajectory's initial prompt (token ids) to its replies in order; the engine
+    finds the script whose prompt starts the given prompt, and the turn from the number of end-of-turn
+    ids after it. Replies are encoded canonically, followed by the end-of-turn id; log-probs are 0.
+    """
+
+    def __init__(self, tokenizer: object, scripts: dict[tuple[int, ...], list[str]]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = int(tokenizer.eos_token_id)  # type: ignore[attr-defined]
+        self.scripts = scripts
+
+    def _reply(self, prompt: list[int]) -> str:
+        for start, replies in self.scripts.items():
+            if tuple(prompt[: len(start)]) == start:
+                turn = prompt[len(start):].count(self.eos_token_id) // 2
+                if turn >= len(replies):
+                    raise IndexError(f"the script has {len(replies)} replies; turn {turn + 1} was asked for")
+                return replies[turn]
+        raise KeyError("no script starts with this prompt")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        out = []
+        for prompt in prompts:
+            ids = self.tokenizer(self._reply(prompt), add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            ids = [*ids[: params.max_new_tokens - 1], self.eos_token_id]
+            out.append(Generation(ids, [0.0] * len(ids), True))
+        return out

@@ -1,0 +1,249 @@
+"""The multi-turn rollout: lock-step rounds of one batched generation and one batched environment step.
+
+For a batch of item ids x n samples, each trajectory gets its own environment instance. After the
+resets, every round generates one turn for all active trajectories in one engine call, then steps all
+of the round's environments in one ``/step_batch`` request, until every trajectory is done or ``h``
+rounds have passed (the curriculum's turn cap). A trajectory whose next turn would overflow the context
+budget is stopped. Environment failures never become a silent zero reward: transport errors are retried
+with backoff, and a trajectory whose environment still fails is marked ``env_error``, excluded from
+training and counted. Every instance is closed, also on exceptions and cancellation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from tqdm import tqdm
+
+from envs.client import BaseEnvClient, EnvServerError, StepOutput, step_many
+from envs.registry import client_class
+from envs.splits import item_index
+from training.engine import PolicyEngine, SamplingParams
+from training.trajectory import TERMINATIONS, Trajectory, Turn
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How one rollout runs (the turn cap ``h`` comes from the curriculum, per call)."""
+
+    n_samples: int = 1
+    max_new_tokens: int = 64  # per assistant turn
+    context_budget: int = 2048  # a trajectory never grows past this many tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    retries: int = 3  # for retryable environment errors (connection refused, server full)
+    backoff_s: float = 0.5  # first retry delay; doubles each time
+    system_prompt: str | None = None
+
+
+@dataclass
+class RolloutResult:
+    """The trajectories of one rollout and what it cost."""
+
+    trajectories: list[Trajectory]
+    seconds_generating: float = 0.0
+    seconds_in_env: float = 0.0
+    seconds_total: float = 0.0
+    generated_tokens: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if t.valid]
+
+
+def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
+    """Run ``call``; repeat it with exponential backoff while it fails with a retryable EnvServerError."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except EnvServerError as err:
+            if not err.retryable or attempt == retries:
+                raise
+            time.sleep(backoff_s * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+class ChatFormat:
+    """Token pieces of the chat template, computed by rendering it (no hard-coded special tokens)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = int(tokenizer.eos_token_id)
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def observation_piece(self, messages: list[dict[str, str]], observation: str) -> list[int]:
+        """Ids between the end-of-turn id of the last assistant turn and the next assistant turn's text."""
+        before = self.render(messages, generation_prompt=False)
+        after = self.render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template re-renders earlier turns differently; cannot extend incrementally")
+        eos_text = self.tokenizer.convert_ids_to_tokens(self.eos_token_id)
+        tail = before[before.rindex(eos_text) + len(eos_text):]  # what the template adds after end-of-turn
+        return self.encode(tail + after[len(before):])
+
+
+def _conversation_start(client: BaseEnvClient, system_prompt: str | None) -> list[dict[str, str]]:
+    human, gpt = client.conversation_start
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]}]
+
+
+class Rollout:
+    """Runs rollouts of one environment server with one policy engine."""
+
+    def __init__(self, env: str, url: str, engine: PolicyEngine, tokenizer: Any, config: RolloutConfig,
+                 *, http: httpx.Client | None = None, token: str | None = None) -> None:
+        self.env, self.url, self.engine, self.config = env, url, engine, config
+        self.chat = ChatFormat(tokenizer)
+        self.client_cls = client_class(env)
+        self.http = http or httpx.Client(base_url=url, timeout=300.0,
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
+
+    def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
+        """Roll out ``n_samples`` trajectories per item with at most ``h`` turns each."""
+        if h < 1:
+            raise ValueError(f"the turn cap h must be >= 1, got {h}")
+        started = time.perf_counter()
+        trajectories = [Trajectory(item_id, group, sample) for group, item_id in enumerate(item_ids)
+                        for sample in range(self.config.n_samples)]
+        clients: list[BaseEnvClient | None] = [None] * len(trajectories)
+        result = RolloutResult(trajectories)
+        try:
+            env_seconds = self._reset_all(trajectories, clients)
+            rounds = tqdm(range(h), desc=f"{self.env} rollout (h={h})", disable=not progress, leave=False)
+            for round_idx in rounds:
+                active = [i for i, t in enumerate(trajectories) if t.active]
+                if not active:
+                    break
+                rounds.set_postfix(active=len(active))
+                gen_s, env_s, tokens = self._round(trajectories, clients, active, step, round_idx)
+                result.seconds_generating += gen_s
+                env_seconds += env_s
+                result.generated_tokens += tokens
+            for t in trajectories:
+                if t.active:
+                    t.finish("turn_cap")
+        finally:
+            env_seconds_close = self._close_all(clients)
+        result.seconds_in_env = env_seconds + env_seconds_close
+        result.seconds_total = time.perf_counter() - started
+        result.stats = rollout_stats(result)
+        return result
+
+    def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
+        started = time.perf_counter()
+        cfg = self.config
+        for i, t in enumerate(trajectories):
+            try:
+                client = with_retries(lambda: self.client_cls(self.url, http=self.http), cfg.retries, cfg.backoff_s)
+                clients[i] = client
+                idx = item_index(t.item_id)
+                first = with_retries(lambda c=client, i=idx: c.reset(i), cfg.retries, cfg.backoff_s)
+            except EnvServerError as err:
+                if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
+                    raise  # a bad item id or request is the caller's mistake: fail loudly
+                t.finish("env_error", str(err))
+                continue
+            t.messages = _conversation_start(client, cfg.system_prompt)
+            t.messages.append({"role": "user", "content": first.observation})
+            t.append_prompt(self.chat.encode(self.chat.render(t.messages, generation_prompt=True)))
+            t.prompt_length = len(t.input_ids)
+            if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
+                t.finish("context_cap")
+        return time.perf_counter() - started
+
+    def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
+               step: int, round_idx: int) -> tuple[float, float, int]:
+        cfg = self.config
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                seed=cfg.seed * 1_000_003 + step * 1009 + round_idx)
+        t0 = time.perf_counter()
+        generations = self.engine.generate([trajectories[i].input_ids for i in active], params)
+        t1 = time.perf_counter()
+        texts = [self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+        for i, g, text in zip(active, generations, texts, strict=True):
+            trajectories[i].append_assistant(g.token_ids, g.logprobs)
+            trajectories[i].messages.append({"role": "assistant", "content": text})
+        outputs = self._step_round([clients[i] for i in active], texts)
+        t2 = time.perf_counter()
+        for i, text, out in zip(active, texts, outputs, strict=True):
+            self._record(trajectories[i], text, out)
+        return t1 - t0, t2 - t1, sum(len(g.token_ids) for g in generations)
+
+    def _step_round(self, clients: list[Any], texts: list[str]) -> list[StepOutput]:
+        try:
+            return with_retries(lambda: step_many(clients, texts, partial=True), self.config.retries,
+                                self.config.backoff_s)
+        except EnvServerError as err:  # the whole round failed: every trajectory in it is an env error
+            return [StepOutput("", error=str(err)) for _ in clients]
+
+    def _record(self, t: Trajectory, text: str, out: StepOutput) -> None:
+        if out.error is not None:
+            t.finish("env_error", out.error)
+            return
+        t.turns.append(Turn(text, out.observation, out.reward, out.score, out.done))
+        t.reward, t.score, t.success = out.reward, out.score, out.success
+        if out.done:
+            t.finish("done")
+            return
+        piece = self.chat.observation_piece(t.messages, out.observation)
+        t.messages.append({"role": "user", "content": out.observation})
+        if len(t.input_ids) + len(piece) + self.config.max_new_tokens > self.config.context_budget:
+            t.finish("context_cap")
+            return
+        t.append_prompt(piece)
+
+    def _close_all(self, clients: list[BaseEnvClient | None]) -> float:
+        started = time.perf_counter()
+        for client in clients:
+            if client is not None:
+                with contextlib.suppress(EnvServerError):  # already gone (reaped, or the server died)
+                    client.close()
+        return time.perf_counter() - started
+
+
+def rollout_stats(result: RolloutResult) -> dict[str, float]:
+    """Metrics of one rollout, in the project's metric names."""
+    valid = result.valid
+    rewards = [t.reward for t in valid] or [0.0]
+    ended = Counter(t.termination for t in result.trajectories)
+    stats = {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "success/rate": sum(t.success for t in valid) / max(len(valid), 1),
+        "turns/mean": sum(len(t.turns) for t in valid) / max(len(valid), 1),
+        "env/errors": float(ended["env_error"]),
+        "rollout/trajectories": float(len(result.trajectories)),
+        "timing_s/gen": result.seconds_generating,
+        "timing_s/env": result.seconds_in_env,
+        "perf/generated_tokens": float(result.generated_tokens),
+    }
+    stats.update({f"rollout/termination/{reason}": float(ended[reason]) for reason in TERMINATIONS})
+    return stats
+
+
+def write_rollout_log(path: Path, result: RolloutResult, step: int) -> Path:
+    """Append one JSON line per trajectory (item, conversation, reward, turns, termination)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for t in result.trajectories:
+            f.write(json.dumps({"step": step, **t.log_record()}) + "\n")
+    return path
