@@ -23,3 +23,25 @@ def env_server() -> Iterator[Callable[[str], str]]:
             return urls[env]
 
         yield get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny default policy, built once per test session from a small expert corpus."""
+    from envs.corpus import expert_corpus
+    from training.model import build_tiny
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    return build_tiny(list(expert_corpus({"babyai": 2, "textcraft": 2})), out, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_model_dir):
+    """(model, tokenizer) of the tiny policy, loaded once."""
+    import torch
+
+    from training.model import load_policy
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_policy(tiny_model_dir)
+    return model.eval(), tokenizer

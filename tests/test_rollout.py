@@ -1,0 +1,189 @@
+"""The multi-turn rollout against real environment servers: turn caps, token bookkeeping, replayed
+experts, determinism, environment failures and cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from envs.local import local_client
+from envs.registry import expert
+from envs.splits import item_index, load_split
+from envs.testing import running_server
+from training.config import curriculum_config
+from training.engine import Generation, HFEngine, ScriptedEngine
+from training.rollout import ChatFormat, Rollout, RolloutConfig, _conversation_start
+
+
+def _engine(policy) -> HFEngine:
+    model, tokenizer = policy
+    return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def _items(env: str, n: int) -> list[str]:
+    return [r["item_id"] for r in load_split(env, "train")[:n]]
+
+
+@pytest.mark.parametrize("env", ["babyai", "textcraft", pytest.param("sciworld", marks=pytest.mark.jvm)])
+def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_server, tiny_policy) -> None:
+    h = curriculum_config(env, "smoke").phases()[0].h
+    url = env_server(env)
+    config = RolloutConfig(n_samples=2, max_new_tokens=24, context_budget=4096, seed=1)
+    items = _items(env, 2 if env == "sciworld" else 3)  # the session's SciWorld server holds 4 JVMs
+    result = Rollout(env, url, _engine(tiny_policy), tiny_policy[1], config).run(items, h=h)
+    assert len(result.trajectories) == 2 * len(items)
+    for t in result.trajectories:
+        assert 1 <= len(t.turns) <= h
+        assert t.termination in {"done", "turn_cap", "context_cap"}
+        assert len(t.input_ids) == len(t.loss_mask) == len(t.logprobs)
+        assert sum(t.loss_mask) > 0 and all(lp <= 0 for lp in t.logprobs)
+    assert result.stats["rollout/trajectories"] == 2 * len(items) and result.generated_tokens > 0
+    assert httpx.get(f"{url}/health").json()["instances"] == 0
+
+
+def _expert_replies(env: str, data_idx: int) -> tuple[list[str], float]:
+    """The replies an expert sends on ``data_idx`` and the reward it reaches (run in-process)."""
+    client = local_client(env)
+    replies: list[str] = []
+    original = client.step
+
+    def step(reply: str):
+        replies.append(reply)
+        return original(reply)
+
+    client.step = step  # type: ignore[method-assign]
+    final = expert(env)(client, data_idx)
+    client.close()
+    return replies, final.reward
+
+
+def _script(env: str, item: str, chat: ChatFormat) -> tuple[tuple[int, ...], list[str], float]:
+    """(initial prompt ids, expert replies, expert reward) of one item."""
+    replies, reward = _expert_replies(env, item_index(item))
+    first = local_client(env)
+    observation = first.reset(item_index(item)).observation
+    first.close()
+    messages = [*_conversation_start(first, None), {"role": "user", "content": observation}]
+    return tuple(chat.encode(chat.render(messages, generation_prompt=True))), replies, reward
+
+
+@pytest.mark.parametrize("env", ["textcraft", "babyai"])
+def test_expert_replayed_through_the_rollout_reaches_the_experts_reward(env: str, env_server, tiny_policy) -> None:
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    items = _items(env, 4)
+    scripts, rewards = {}, {}
+    for item in items:
+        key, replies, reward = _script(env, item, chat)
+        scripts[key] = replies
+        rewards[item] = (reward, len(replies))
+    config = RolloutConfig(max_new_tokens=512, context_budget=100_000)
+    result = Rollout(env, env_server(env), ScriptedEngine(tokenizer, scripts), tokenizer, config).run(items, h=200)
+    for t in result.trajectories:
+        reward, turns = rewards[t.item_id]
+        assert t.termination == "done" and t.success
+        assert t.reward == pytest.approx(reward) and len(t.turns) == turns
+        assert t.token_rewards()[t.reward_index] == pytest.approx(reward) and t.loss_mask[t.reward_index] == 1
+        assert sum(t.token_rewards()) == pytest.approx(reward)  # only on the last assistant token
+
+
+def test_token_ids_and_loss_mask_equal_the_chat_templates(env_server, tiny_policy) -> None:
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    item = _items("textcraft", 1)[0]
+    key, replies, _ = _script("textcraft", item, chat)
+    scripts = {key: replies}
+    config = RolloutConfig(max_new_tokens=512, context_budget=100_000)
+    t = Rollout("textcraft", env_server("textcraft"), ScriptedEngine(tokenizer, scripts), tokenizer,
+                config).run([item], h=200).trajectories[0]
+    rendered = tokenizer.apply_chat_template(t.messages, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+    expected_ids, expected_mask = rendered["input_ids"], rendered["assistant_masks"]
+    tail = len(expected_ids) - len(t.input_ids)  # the template's newline after the final end-of-turn
+    assert tail == 1 and tokenizer.decode(expected_ids[-tail:]) == "\n"
+    assert t.input_ids == expected_ids[:-tail]
+    # The instruction's acknowledgement is an assistant message of the prompt: never sampled, never trained.
+    prompt = t.prompt_length
+    assert any(expected_mask[:prompt]) and not any(t.loss_mask[:prompt])
+    assert t.loss_mask[prompt:] == list(expected_mask[prompt:-tail])
+    assert t.input_ids.count(tokenizer.eos_token_id) == 3 + 2 * len(t.turns) - 1
+
+
+def test_same_seed_same_trajectories(env_server, tiny_policy) -> None:
+    url = env_server("babyai")
+    config = RolloutConfig(n_samples=2, max_new_tokens=16, seed=7)
+    runs = [Rollout("babyai", url, _engine(tiny_policy), tiny_policy[1], config).run(_items("babyai", 2), h=2)
+            for _ in range(2)]
+    assert [t.input_ids for t in runs[0].trajectories] == [t.input_ids for t in runs[1].trajectories]
+    assert [t.logprobs for t in runs[0].trajectories] == [t.logprobs for t in runs[1].trajectories]
+    other = Rollout("babyai", url, _engine(tiny_policy), tiny_policy[1],
+                    RolloutConfig(n_samples=2, max_new_tokens=16, seed=8)).run(_items("babyai", 2), h=2)
+    assert [t.input_ids for t in other.trajectories] != [t.input_ids for t in runs[0].trajectories]
+
+
+def test_context_budget_stops_a_trajectory(env_server, tiny_policy) -> None:
+    config = RolloutConfig(max_new_tokens=16, context_budget=900)
+    result = Rollout("textcraft", env_server("textcraft"), _engine(tiny_policy), tiny_policy[1],
+                     config).run(_items("textcraft", 2), h=20)
+    assert {t.termination for t in result.trajectories} == {"context_cap"}
+    assert all(len(t.input_ids) <= 900 for t in result.trajectories)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_every_instance_is_closed_when_the_engine_fails(env_server, tiny_policy) -> None:
+    url = env_server("babyai")
+
+    class Failing(HFEngine):
+        calls = 0
+
+        def generate(self, prompts, params):
+            Failing.calls += 1
+            if Failing.calls == 2:
+                raise _Boom("engine died")
+            return super().generate(prompts, params)
+
+    model, tokenizer = tiny_policy
+    engine = Failing(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    with pytest.raises(_Boom):
+        Rollout("babyai", url, engine, tokenizer, RolloutConfig(n_samples=3, max_new_tokens=8)).run(
+            _items("babyai", 2), h=5)
+    assert httpx.get(f"{url}/health").json()["instances"] == 0
+
+
+def test_a_dead_server_marks_trajectories_invalid_not_zero(tiny_policy) -> None:
+    tokenizer = tiny_policy[1]
+    with running_server("textcraft") as url:
+        server = httpx.get(f"{url}/health").json()["pid"]
+
+        class KillsServer:
+            """Writes a valid action (so the round reaches the server), after killing the server."""
+
+            eos_token_id = tokenizer.eos_token_id
+
+            def generate(self, prompts: list, params: object) -> list[Generation]:
+                os.kill(server, signal.SIGKILL)
+                text = "Thought: look.\nAction: inventory"
+                ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], self.eos_token_id]
+                return [Generation(ids, [0.0] * len(ids), True) for _ in prompts]
+
+        engine = KillsServer()
+        config = RolloutConfig(n_samples=2, max_new_tokens=8, retries=2, backoff_s=0.05)
+        result = Rollout("textcraft", url, engine, tokenizer, config).run(_items("textcraft", 2), h=3)
+    assert {t.termination for t in result.trajectories} == {"env_error"}
+    assert result.valid == [] and result.stats["env/errors"] == 4
+    assert all("cannot reach" in (t.error or "") for t in result.trajectories)
+
+
+def test_bad_item_ids_fail_loudly(env_server, tiny_policy) -> None:
+    from envs.client import EnvServerError
+
+    with pytest.raises(EnvServerError, match="out of range"):
+        Rollout("textcraft", env_server("textcraft"), _engine(tiny_policy), tiny_policy[1],
+                RolloutConfig()).run(["textcraft_9999"], h=1)
+    assert httpx.get(f"{env_server('textcraft')}/health").json()["instances"] == 0
