@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from envs.testing import running_server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub (this machine has none)
 
 
 @pytest.fixture(scope="session")

@@ -125,6 +125,10 @@ def load_policy(
         source = hub_id
     elif not Path(source).exists() and "/" not in source:
         raise FileNotFoundError(f"model {source!r} is neither a folder, a preset ({', '.join(PRESETS)}) nor a hub id")
-    tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    except OSError as err:
+        raise OSError(f"cannot load the model {source!r}: {err}. Without internet, download it elsewhere "
+                      "(`hf download <id> --local-dir DIR`) and pass DIR, or build the tiny model") from err
     return model, tokenizer

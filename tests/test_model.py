@@ -1,0 +1,94 @@
+"""The locally built tiny policy and the HF policy engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from training.engine import HFEngine, SamplingParams
+from training.model import build_tiny, load_policy
+
+CORPUS = ["Thought: I need planks.\nAction: craft 4 oak planks using 1 oak logs", "Got 1 oak logs",
+          "Your goal: go to the red ball\nThere is a red ball 1 2 steps in front of you.", "héllo wörld 42"] * 20
+
+
+def _digest(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_build_is_deterministic_given_seed_and_corpus(tmp_path) -> None:
+    a, b, c = (build_tiny(CORPUS, tmp_path / name, seed=s) for name, s in (("a", 0), ("b", 0), ("c", 1)))
+    assert _digest(a) == _digest(b)
+    assert _digest(a)["model.safetensors"] != _digest(c)["model.safetensors"]
+    assert _digest(a)["tokenizer.json"] == _digest(c)["tokenizer.json"]
+
+
+def test_saved_folder_is_a_normal_hf_qwen2_model(tiny_model_dir, tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert 1e6 < sum(p.numel() for p in model.parameters()) < 1e7  # a few million parameters
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("text", [*CORPUS[:4], "  two  spaces\n\n\nnewlines\ttab", "<|im_start|>user\nhi<|im_end|>"])
+def test_auto_tokenizer_gives_the_trained_ids(tiny_model_dir, text: str) -> None:
+    auto = AutoTokenizer.from_pretrained(tiny_model_dir)
+    raw = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
+    assert auto(text)["input_ids"] == raw(text)["input_ids"]
+    assert auto.decode(auto(text)["input_ids"]) == text
+
+
+def test_chat_template_marks_exactly_the_assistant_turns(tiny_policy) -> None:
+    tokenizer = tiny_policy[1]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Action: inventory"},
+                {"role": "user", "content": "Inventory: empty"}]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    marked = [i for i, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
+    assert tokenizer.decode(marked) == "Action: inventory<|im_end|>"
+
+
+def test_hub_presets_load_through_the_same_code() -> None:  # offline here: the error names the hub id
+    with pytest.raises(OSError, match=r"Qwen/Qwen2\.5-3B-Instruct"):
+        load_policy("qwen2.5-3b-instruct")
+    with pytest.raises(ValueError, match="build-model --preset tiny"):
+        load_policy("tiny")
+    with pytest.raises(FileNotFoundError, match="neither a folder"):
+        load_policy("no-such-model")
+
+
+def test_engine_batches_with_left_padding_like_single_prompts(tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    prompts = [tokenizer(t)["input_ids"] for t in ("Got 1 oak logs", "Your goal: go to the red ball", "hi")]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    batched = engine.generate(prompts, greedy)
+    single = [engine.generate([p], greedy)[0] for p in prompts]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in single]
+    for prompt, g in zip(prompts, batched, strict=True):
+        assert len(g.token_ids) == len(g.logprobs) <= 12
+        assert g.finished == (g.token_ids[-1] == tokenizer.eos_token_id)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + g.token_ids])).logits[0]
+        recomputed = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, len(prompt) + len(g.token_ids) - 1),
+                                                   torch.tensor(g.token_ids)]
+        assert torch.allclose(recomputed, torch.tensor(g.logprobs), atol=1e-4)
+
+
+def test_engine_sampling_is_seeded_and_stops_at_end_of_turn(tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    prompts = [tokenizer("Got 1 oak logs")["input_ids"]] * 4
+    first = engine.generate(prompts, SamplingParams(max_new_tokens=20, seed=3))
+    again = engine.generate(prompts, SamplingParams(max_new_tokens=20, seed=3))
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert len({tuple(g.token_ids) for g in first}) > 1  # sampling, not greedy
+    for g in first:
+        assert tokenizer.eos_token_id not in g.token_ids[:-1]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
