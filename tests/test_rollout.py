@@ -187,3 +187,20 @@ def test_bad_item_ids_fail_loudly(env_server, tiny_policy) -> None:
         Rollout("textcraft", env_server("textcraft"), _engine(tiny_policy), tiny_policy[1],
                 RolloutConfig()).run(["textcraft_9999"], h=1)
     assert httpx.get(f"{env_server('textcraft')}/health").json()["instances"] == 0
+
+
+def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tmp_path) -> None:
+    import json
+
+    from training.rollout import write_rollout_log
+
+    config = RolloutConfig(n_samples=2, max_new_tokens=8)
+    result = Rollout("babyai", env_server("babyai"), _engine(tiny_policy), tiny_policy[1], config).run(
+        _items("babyai", 2), h=2)
+    path = write_rollout_log(tmp_path / "rollouts" / "step_3.jsonl", result, step=3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["step"] == 3 for r in rows)
+    assert {r["item_id"] for r in rows} == set(_items("babyai", 2))
+    for row, t in zip(rows, result.trajectories, strict=True):
+        assert row["termination"] == t.termination and row["turns"] == len(t.turns) == len(row["turn_records"])
+        assert row["conversation"][0]["role"] == "user" and row["reward"] == t.reward
