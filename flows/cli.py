@@ -196,6 +196,48 @@ def build_model(
     console.print(f"wrote {preset} model to {path} ({len(corpus)} corpus texts)")
 
 
+@app.command("train-phase")
+def train_phase_cmd(
+    env: EnvArg,
+    phase: Annotated[int, typer.Option(help="curriculum phase index")] = 0,
+    h: Annotated[int, typer.Option(help="turn cap of this phase")] = 2,
+    steps: Annotated[int, typer.Option(help="training steps of this phase")] = 2,
+    init: Annotated[str, typer.Option(help="base model or the previous phase's final checkpoint")] = "models/tiny",
+    out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
+    url: Annotated[str | None, typer.Option(help="environment server URL (default: start one)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable)")] = None,
+) -> None:
+    """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly."""
+    import contextlib
+    import json
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from envs.testing import running_server
+    from training.config_train import TrainConfig
+    from training.trainer import train_phase
+
+    _check_env(env)
+    overrides = {}
+    for pair in set_ or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            _fail(f"--set {pair!r} must look like field=value")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    try:
+        config = TrainConfig(**overrides)
+    except ValidationError as err:
+        _fail(f"bad training config: {err}")
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_server(env))
+        final = train_phase(env, phase, h, steps, Path(init), Path(out), config=config, url=base, progress=True)
+    console.print(f"phase {phase} (h={h}) done: {final}")
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

@@ -1,0 +1,112 @@
+"""The trainer: phases that resume bitwise after SIGKILL, checkpoint integrity, metrics, ppo_epochs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from envs.testing import ROOT
+from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest
+from training.config_train import TrainConfig
+from training.trainer import train_phase
+
+FAST = ["--set", "batch_items=2", "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "lr=0.0001",
+        "--set", "mini_batch_size=2", "--set", "micro_batch_size=2", "--set", 'sub_tasks=["GoTo"]']
+CONFIG = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=2, micro_batch_size=2,
+                     sub_tasks=["GoTo"])
+
+
+def _train_cmd(url: str, init: Path, out: Path, phase: int, h: int, steps: int) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", "train-phase", "babyai", "--phase", str(phase), "--h", str(h),
+            "--steps", str(steps), "--init", str(init), "--out", str(out), "--url", url, *FAST]
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _kill_after_checkpoint(cmd: list[str], out: Path, step: int) -> None:
+    """Start ``cmd``, SIGKILL it as soon as intermediate checkpoint ``step`` exists."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = out / "intermediate" / f"step-{step:06d}" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not target.exists():
+        assert proc.poll() is None, "the phase ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+
+
+def manifest_hash(phase_dir: Path) -> str:
+    return checkpoint_hash(phase_dir / "final")
+
+
+def _weights(folder: Path) -> bytes:
+    return (folder / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_phase_and_across_a_phase_boundary_resumes_bitwise(env_server, tiny_model_dir, tmp_path) -> None:
+    url = env_server("babyai")
+    # uninterrupted: phase 0 (h=2, 2 steps) then phase 1 (h=4, 3 steps)
+    _run(_train_cmd(url, tiny_model_dir, tmp_path / "a0", 0, 2, 2))
+    _run(_train_cmd(url, tmp_path / "a0" / "final", tmp_path / "a1", 1, 4, 3))
+    # interrupted: killed inside phase 0, resumed; then killed inside phase 1, resumed
+    _kill_after_checkpoint(_train_cmd(url, tiny_model_dir, tmp_path / "b0", 0, 2, 2), tmp_path / "b0", 1)
+    _run(_train_cmd(url, tiny_model_dir, tmp_path / "b0", 0, 2, 2))
+    assert _weights(tmp_path / "b0" / "final") == _weights(tmp_path / "a0" / "final")
+    _kill_after_checkpoint(_train_cmd(url, tmp_path / "b0" / "final", tmp_path / "b1", 1, 4, 3), tmp_path / "b1", 4)
+    _run(_train_cmd(url, tmp_path / "b0" / "final", tmp_path / "b1", 1, 4, 3))
+    assert _weights(tmp_path / "b1" / "final") == _weights(tmp_path / "a1" / "final")
+    assert _weights(tmp_path / "a1" / "final") != _weights(tmp_path / "a0" / "final")  # it did train
+    manifest = read_manifest(tmp_path / "b1" / "final")
+    assert (manifest["phase"], manifest["h"], manifest["global_step"], manifest["phase_first_step"]) == (1, 4, 5, 2)
+    assert manifest["parent"] == read_manifest(tmp_path / "a1" / "final")["parent"] == manifest_hash(tmp_path / "a0")
+    assert manifest["hash"] == read_manifest(tmp_path / "a1" / "final")["hash"]  # same content, same identity
+    rows = (tmp_path / "b1" / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
+    assert [r.split("\t")[0] for r in rows[1:]] == ["2", "3", "4"]  # steps re-run after the kill logged once
+
+
+def test_a_corrupted_checkpoint_is_refused(env_server, tiny_model_dir, tmp_path) -> None:
+    final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "p", config=CONFIG, url=env_server("babyai"))
+    read_manifest(final)
+    with (final / "model.safetensors").open("r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its recorded sha256"):
+        train_phase("babyai", 1, 2, 1, final, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
+
+
+def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, tmp_path) -> None:
+    final = train_phase("babyai", 0, 2, 2, tiny_model_dir, tmp_path, config=CONFIG, url=env_server("babyai"))
+    metrics = json.loads((tmp_path / "dvclive" / "metrics.json").read_text())
+    for name in ("reward", "success", "turns", "actor", "timing_s", "perf", "curriculum", "rollout", "env"):
+        assert name in metrics, name
+    assert metrics["curriculum"]["h"] == 2 and "termination" in metrics["rollout"]
+    assert {"entropy", "kl", "pg_loss", "pg_clipfrac", "grad_norm", "lr"} <= set(metrics["actor"])
+    rows = (tmp_path / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[0] == "step" and [r.split("\t")[0] for r in rows[1:]] == ["0", "1"]
+    assert len(list((tmp_path / "rollouts").glob("step-*.jsonl"))) == 2
+    cost = read_manifest(final)["cost"]
+    assert cost["generated_tokens"] > 0 and cost["trained_tokens"] > 0 and cost["wall_seconds"] > 0
+
+
+def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path) -> None:
+    once = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "one", config=CONFIG, url=env_server("babyai"))
+    twice = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "two", url=env_server("babyai"),
+                        config=CONFIG.model_copy(update={"ppo_epochs": 2}))
+    state_one = torch.load(once / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    state_two = torch.load(twice / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    assert float(state_two[0]["step"]) == 2 * float(state_one[0]["step"])

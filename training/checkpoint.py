@@ -1,0 +1,121 @@
+"""Checkpoints: an HF-format model folder plus trainer state, written atomically and verified on load.
+
+A checkpoint folder holds the model (``config.json``, ``model.safetensors``, tokenizer files), the
+trainer state (``trainer_state.pt``: optimizer, RNG states, data position, global step) and
+``manifest.json`` (phase index, h, the full config, the parent checkpoint's hash, and the sha256 of
+every file). It is written into a temporary sibling folder and renamed into place, so a crash leaves
+either the old checkpoint or the new one, never half of one. A checkpoint whose files fail their
+recorded sha256 is refused. Its own hash is a content hash over its files' sha256 (not the run metadata),
+so the same training on two machines gives the same hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupted; the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_hash(files: dict[str, str]) -> str:
+    """Identity of a checkpoint's content: sha256 of its sorted ``name:sha256`` lines (no run metadata,
+    so the same weights and state trained on two machines have the same hash)."""
+    return hashlib.sha256("".join(f"{n}:{h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
+
+
+def checkpoint_hash(folder: Path) -> str:
+    """The checkpoint's own hash, as recorded in its manifest."""
+    return str(json.loads((folder / MANIFEST).read_text())["hash"])
+
+
+def folder_hash(folder: Path) -> str:
+    """A checkpoint's hash, or the same content hash computed over a plain model folder's files."""
+    if (folder / MANIFEST).exists():
+        return checkpoint_hash(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    return content_hash({p.name: sha256_file(p) for p in folder.iterdir() if p.is_file()})
+
+
+def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: dict[str, Any]) -> str:
+    """Write a checkpoint atomically: ``write_files(tmp)`` fills a temporary folder, a manifest is added,
+    then the folder is renamed to ``folder`` (replacing an older one). Returns the checkpoint's hash."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write_files(tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {**record, "files": files, "hash": content_hash(files)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+        _fsync_dir(tmp)
+        if folder.exists():
+            old = folder.parent / f".old-{folder.name}-{os.getpid()}"
+            folder.rename(old)
+            tmp.rename(folder)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return checkpoint_hash(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    for path in folder.iterdir():
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+
+
+def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a checkpoint; with ``verify``, every file must match its recorded sha256."""
+    path = folder / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{folder} is not a checkpoint: {MANIFEST} is missing")
+    manifest = json.loads(path.read_text())
+    if verify:
+        for name, expected in manifest["files"].items():
+            file = folder / name
+            if not file.exists():
+                raise CheckpointError(f"checkpoint {folder}: file {name} is missing")
+            if sha256_file(file) != expected:
+                raise CheckpointError(f"checkpoint {folder}: file {name} fails its recorded sha256 "
+                                      f"(corrupted or edited); refusing to load it")
+    return manifest
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete intermediate checkpoint under ``folder`` (``step-NNNNNN``), if any."""
+    if not folder.exists():
+        return None
+    steps = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-")
+                   and (p / MANIFEST).exists())
+    return steps[-1] if steps else None
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest intermediate checkpoints."""
+    steps = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in steps[:-keep] if keep > 0 else steps:
+        shutil.rmtree(old)

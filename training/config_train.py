@@ -1,0 +1,52 @@
+"""The trainer's configuration: one frozen pydantic model, validated up front."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TrainConfig(BaseModel):
+    """Everything one curriculum phase needs besides its h and step count."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    backend: Literal["torch", "deepspeed"] = "torch"
+    device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N]")
+    seed: int = 0
+    # data
+    split: str = "train"
+    sub_tasks: list[str] | None = Field(None, description="train only on these sub-tasks (e.g. ['GoTo'])")
+    batch_items: int = Field(4, ge=1, description="items per training step")
+    n_samples: int = Field(4, ge=1, description="trajectories per item (the GRPO group)")
+    # rollout
+    max_new_tokens: int = Field(48, ge=1)
+    context_budget: int = Field(2048, ge=16)
+    temperature: float = Field(1.0, gt=0)
+    # update
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = 0.01
+    mini_batch_size: int = Field(8, ge=1, description="trajectories per optimizer step")
+    micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the step's mini-batches")
+    clip: float = 0.2
+    kl_coef: float = 1e-3
+    kl_in_reward: bool = Field(False, description="subtract kl_coef * KL from rewards instead of a loss term")
+    entropy_coef: float = 1e-3
+    grad_clip: float = 1.0
+    old_logprobs: Literal["sampler", "recompute"] = "recompute"
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_lr: float = 1e-5
+    # checkpoints
+    save_every: int = Field(1, ge=1, description="write an intra-phase checkpoint every N steps")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_rollouts: bool = True
+
+    @model_validator(mode="after")
+    def _batches(self) -> TrainConfig:
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"mini_batch_size {self.mini_batch_size} must be a multiple of micro_batch_size "
+                             f"{self.micro_batch_size}")
+        return self

@@ -1,0 +1,40 @@
+"""Device selection, in one place: cpu, cuda (NVIDIA) or npu (Ascend through torch_npu)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not available here; the message says what is."""
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401 - registers torch.npu
+
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks cuda, then npu, then cpu; an explicit name must be available."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("npu") if npu_available() else torch.device("cpu")
+    kind = name.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {name!r} requested but CUDA is not available: use --device cpu or auto")
+    if kind == "npu" and not npu_available():
+        raise DeviceError(f"device {name!r} requested but torch_npu / an Ascend NPU is not available")
+    if kind not in {"cpu", "cuda", "npu"}:
+        raise DeviceError(f"unknown device {name!r}: choose auto, cpu, cuda[:N] or npu[:N]")
+    return torch.device(name)
+
+
+def distributed_backend(device: torch.device) -> str:
+    """The torch.distributed backend for a device: nccl (cuda), hccl (npu), gloo (cpu)."""
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")

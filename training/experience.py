@@ -1,0 +1,93 @@
+"""Stage 2 of a training step: trajectories -> padded tensors -> old/reference log-probs -> advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from training import advantages as adv
+from training.losses import token_logprobs
+from training.trajectory import Trajectory
+
+
+@dataclass
+class Experience:
+    """One step's training batch (right-padded to the longest trajectory)."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] 1 on agent tokens
+    sampler_logprobs: torch.Tensor  # [B, T]
+    rewards: torch.Tensor  # [B, T] terminal reward on the last agent token
+    group: torch.Tensor  # [B]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    flat_groups: int = 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> Experience:
+        """The rows ``rows`` of every tensor (a mini-batch), trimmed to its longest sequence."""
+        width = int(self.attention_mask[rows].sum(-1).max())
+        picked = {}
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                value = value[rows]
+                picked[name] = value[:, :width] if value.dim() == 2 else value
+            else:
+                picked[name] = value
+        return Experience(**picked)
+
+
+def collate(trajectories: list[Trajectory], pad_id: int) -> Experience:
+    """Right-pad the valid trajectories into tensors."""
+    width = max(len(t.input_ids) for t in trajectories)
+
+    def pad(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+    return Experience(
+        input_ids=pad([t.input_ids for t in trajectories], pad_id, torch.long),
+        attention_mask=pad([[1] * len(t.input_ids) for t in trajectories], 0, torch.long),
+        mask=pad([t.loss_mask for t in trajectories], 0, torch.float),
+        sampler_logprobs=pad([t.logprobs for t in trajectories], 0.0, torch.float),
+        rewards=pad([t.token_rewards() for t in trajectories], 0.0, torch.float),
+        group=torch.tensor([t.group for t in trajectories], dtype=torch.long),
+    )
+
+
+@torch.no_grad()
+def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: float, micro_batch: int = 8
+                      ) -> torch.Tensor:
+    """Per-token log-probs of ``exp.input_ids`` under ``model`` (no grad), in micro-batches."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(exp), micro_batch):
+        ids = exp.input_ids[start:start + micro_batch].to(device)
+        attn = exp.attention_mask[start:start + micro_batch].to(device)
+        logits = model(input_ids=ids, attention_mask=attn).logits
+        out.append(token_logprobs(logits, ids, temperature).cpu())
+    return torch.cat(out)
+
+
+def estimate_advantages(exp: Experience, algorithm: str, gamma: float = 1.0, lam: float = 1.0,
+                        values: torch.Tensor | None = None) -> None:
+    """Fill ``exp.advantages`` (and ``returns`` for GAE) with the chosen estimator."""
+    if algorithm == "grpo":
+        exp.advantages, exp.flat_groups = adv.grpo(exp.rewards, exp.mask, exp.group)
+    elif algorithm == "rloo":
+        exp.advantages = adv.rloo(exp.rewards, exp.mask, exp.group)
+    elif algorithm == "reinforce_pp":
+        exp.advantages = adv.reinforce_plus_plus(exp.rewards, exp.mask, gamma)
+    elif algorithm == "ppo":
+        if values is None:
+            raise ValueError("ppo needs the critic's values")
+        exp.old_values = values
+        exp.advantages, exp.returns = adv.gae(exp.rewards, values, exp.mask, gamma, lam)
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose grpo, rloo, reinforce_pp or ppo")

@@ -1,0 +1,55 @@
+"""Per-step metrics with dvclive (TSV plots + metrics.json that DVC reads), resumable to a step.
+
+Metric names follow the project's namespaces: ``reward/mean``, ``success/rate``, ``actor/kl``,
+``rollout/termination/<reason>``, ``timing_s/gen``, ``perf/tokens_per_s``, ``curriculum/h`` ...
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from dvclive import Live
+
+
+def truncate_plots(folder: Path, first_step: int) -> None:
+    """Drop logged rows at or after ``first_step`` (the steps a resumed run will log again).
+
+    A metric whose last name part is ``step`` (``timing_s/step``) gets a single column from dvclive (its
+    value overwrites the step column); such files keep as many rows as the others kept.
+    """
+    tables = {}
+    for tsv in (folder / "plots" / "metrics").rglob("*.tsv"):
+        with tsv.open() as f:
+            tables[tsv] = list(csv.reader(f, delimiter="\t"))
+    kept_rows = None
+    for tsv, rows in tables.items():
+        if rows and len(rows[0]) > 1:
+            step_col = rows[0].index("step")
+            tables[tsv] = [rows[0]] + [r for r in rows[1:] if int(r[step_col]) < first_step]
+            kept_rows = len(tables[tsv]) - 1
+    for tsv, rows in tables.items():
+        if rows and len(rows[0]) == 1 and kept_rows is not None:
+            tables[tsv] = rows[: kept_rows + 1]
+        with tsv.open("w", newline="") as f:
+            csv.writer(f, delimiter="\t").writerows(tables[tsv])
+
+
+class Metrics:
+    """A dvclive run in ``folder``; ``log(metrics, step)`` writes one step."""
+
+    def __init__(self, folder: Path, resume_at: int | None = None) -> None:
+        if resume_at is not None and folder.exists():
+            truncate_plots(folder, resume_at)
+        self.live = Live(dir=str(folder), resume=resume_at is not None, save_dvc_exp=False, dvcyaml=False)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.live.step = step
+        for name, value in sorted(metrics.items()):
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.live.log_metric(name, float(value))
+        self.live.next_step()
+
+    def close(self) -> None:
+        self.live.end()

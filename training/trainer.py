@@ -1,0 +1,271 @@
+"""The RL trainer: one curriculum phase at a fixed turn cap h, resumable exactly.
+
+    scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --init models/tiny --out runs/babyai/phase-0
+
+One training step, in the paper's three stages: (1) generate: a rollout of ``batch_items`` items x
+``n_samples`` trajectories with at most h turns; (2) prepare experience: old log-probs (the sampler's or
+recomputed by the actor), reference log-probs from the frozen base model, advantages (GRPO, RLOO,
+REINFORCE++ or PPO/GAE); (3) update the actor over mini-batches for ``ppo_epochs`` epochs. Every
+``save_every`` steps and at the end, an atomic checkpoint (``training.checkpoint``) records the weights,
+optimizer, RNG states, data position and global step, so rerunning an interrupted phase resumes from its
+latest intra-phase checkpoint and ends with bitwise the same weights on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from envs.splits import load_split
+from training.checkpoint import (
+    MANIFEST,
+    STATE,
+    folder_hash,
+    latest_checkpoint,
+    prune,
+    read_manifest,
+    write_checkpoint,
+)
+from training.config_train import TrainConfig
+from training.devices import resolve_device
+from training.engine import HFEngine
+from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
+from training.losses import actor_loss, token_entropy, token_logprobs
+from training.metrics import Metrics
+from training.model import load_policy
+from training.rollout import Rollout, RolloutConfig, write_rollout_log
+
+
+class DataStream:
+    """An endless, seeded order over the split's items; ``position`` is all the state it has."""
+
+    def __init__(self, env: str, config: TrainConfig, position: int = 0) -> None:
+        rows = load_split(env, config.split)
+        if config.sub_tasks:
+            rows = [r for r in rows if r["sub_task"] in config.sub_tasks]
+        if not rows:
+            raise ValueError(f"no {env} items in split {config.split!r} with sub_tasks {config.sub_tasks}")
+        self.items = [r["item_id"] for r in rows]
+        self.seed, self.position = config.seed, position
+
+    def take(self, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            epoch, index = divmod(self.position, len(self.items))
+            order = list(self.items)
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            out.append(order[index])
+            self.position += 1
+        return out
+
+
+@dataclass
+class Ledger:
+    """What a phase cost."""
+
+    generated_tokens: int = 0
+    trained_tokens: int = 0
+    wall_seconds: float = 0.0
+    devices: int = 1
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device_hours(self) -> float:
+        return self.wall_seconds * self.devices / 3600
+
+    def as_dict(self) -> dict[str, float]:
+        return {"generated_tokens": self.generated_tokens, "trained_tokens": self.trained_tokens,
+                "wall_seconds": round(self.wall_seconds, 3), "device_hours": round(self.device_hours, 6)}
+
+
+class PhaseTrainer:
+    """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
+
+    def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
+                 config: TrainConfig, url: str) -> None:
+        self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
+        self.out_dir = out_dir
+        resume = latest_checkpoint(out_dir / "intermediate")
+        source = resume or init_checkpoint
+        manifest = read_manifest(source) if (source / MANIFEST).exists() else None  # refuses corrupted files
+        state = torch.load(source / STATE, weights_only=False) if (source / STATE).exists() else {}
+        self.device = resolve_device(config.device)
+        self.model, self.tokenizer = load_policy(source, self.device)
+        self.reference_path = Path(state.get("reference", init_checkpoint))
+        self.reference = None
+        if config.kl_coef:
+            self.reference = load_policy(self.reference_path, self.device)[0].eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:
+                group["lr"] = config.lr  # a new phase may set its own learning rate
+        if "rng" in state:  # every sampling call reseeds from (seed, step, round); this keeps anything else exact
+            torch.set_rng_state(state["rng"]["torch"])
+        self.global_step = int(state.get("global_step", 0))
+        if resume is not None and manifest is not None:
+            self.first_step, self.parent = int(manifest["phase_first_step"]), manifest["parent"]
+            cost = manifest.get("cost", {})
+            self.ledger = Ledger(int(cost.get("generated_tokens", 0)), int(cost.get("trained_tokens", 0)),
+                                 float(cost.get("wall_seconds", 0.0)))
+        else:
+            self.first_step, self.parent = self.global_step, folder_hash(init_checkpoint)
+            self.ledger = Ledger()
+        self.data = DataStream(env, config, int(state.get("data_position", 0)))
+        self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None)
+        engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
+            n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
+            temperature=config.temperature, seed=config.seed))
+
+    @property
+    def end_step(self) -> int:
+        return self.first_step + self.steps
+
+    def run(self, progress: bool = False) -> Path:
+        """Train the remaining steps of the phase; return the final checkpoint folder."""
+        from tqdm import tqdm
+
+        steps = tqdm(range(self.global_step, self.end_step), desc=f"{self.env} phase {self.phase} (h={self.h})",
+                     disable=not progress, initial=self.global_step - self.first_step, total=self.steps)
+        for step in steps:
+            started = time.perf_counter()
+            stats = self.train_step(step)
+            self.ledger.wall_seconds += time.perf_counter() - started
+            stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
+                      "timing_s/step": time.perf_counter() - started}
+            self.metrics.log(stats, step)
+            steps.set_postfix(reward=f"{stats['reward/mean']:.3f}", success=f"{stats['success/rate']:.2f}")
+            self.global_step = step + 1
+            done = self.global_step == self.end_step
+            if done or (self.global_step - self.first_step) % self.config.save_every == 0:
+                self.save("final" if done else f"intermediate/step-{self.global_step:06d}")
+        self.metrics.close()
+        if self.steps == 0 or not (self.out_dir / "final" / MANIFEST).exists():
+            self.save("final")
+        return self.out_dir / "final"
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Generate, prepare experience, update. Returns the step's metrics."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.model.eval()
+        result = self.rollout.run(self.data.take(cfg.batch_items), self.h, step=step)
+        if cfg.log_rollouts:
+            write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step)
+        self.ledger.generated_tokens += result.generated_tokens
+        stats = dict(result.stats)
+        t1 = time.perf_counter()
+        valid = result.valid
+        if not valid:  # every environment failed: nothing to learn from, and never a silent zero
+            return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0}
+        exp = self.prepare(collate(valid, self.tokenizer.pad_token_id))
+        t2 = time.perf_counter()
+        stats |= self.update(exp, step)
+        t3 = time.perf_counter()
+        trained = int(exp.mask.sum()) * cfg.ppo_epochs
+        self.ledger.trained_tokens += trained
+        return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
+                        "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
+
+    def prepare(self, exp: Experience) -> Experience:
+        cfg = self.config
+        if cfg.old_logprobs == "recompute":
+            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size)
+        else:
+            exp.old_logprobs = exp.sampler_logprobs
+        if self.reference is not None:
+            exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size)
+            if cfg.kl_in_reward:
+                exp.rewards = exp.rewards - cfg.kl_coef * (exp.old_logprobs - exp.ref_logprobs) * exp.mask
+        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam)
+        return exp
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        """ppo_epochs passes of mini-batch updates; returns averaged actor metrics."""
+        cfg = self.config
+        self.model.train()
+        sums: dict[str, float] = {}
+        updates = 0
+        for epoch in range(cfg.ppo_epochs):
+            shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + epoch)
+            order = torch.randperm(len(exp), generator=shuffle)
+            for start in range(0, len(exp), cfg.mini_batch_size):
+                parts = self._mini_batch(exp.select(order[start:start + cfg.mini_batch_size]))
+                for key, value in parts.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        out = {key: value / max(updates, 1) for key, value in sums.items()}
+        return out | {"actor/lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _mini_batch(self, mb: Experience) -> dict[str, float]:
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = mb.mask.sum().clamp(min=1)
+        parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/kl": 0.0, "actor/entropy": 0.0,
+                 "actor/approx_kl": 0.0}
+        for start in range(0, len(mb), cfg.micro_batch_size):
+            micro = mb.select(torch.arange(start, min(start + cfg.micro_batch_size, len(mb))))
+            ids = micro.input_ids.to(self.device)
+            logits = self.model(input_ids=ids, attention_mask=micro.attention_mask.to(self.device)).logits
+            mask = micro.mask.to(self.device)
+            loss = actor_loss(
+                token_logprobs(logits, ids, cfg.temperature), micro.old_logprobs.to(self.device),
+                micro.advantages.to(self.device), mask, clip=cfg.clip,
+                ref_logprobs=None if cfg.kl_in_reward or micro.ref_logprobs is None
+                else micro.ref_logprobs.to(self.device),
+                kl_coef=cfg.kl_coef, entropy=token_entropy(logits, cfg.temperature), entropy_coef=cfg.entropy_coef)
+            share = float(mask.sum() / total_tokens)
+            (loss.loss * share).backward()
+            for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
+                               ("actor/kl", loss.kl), ("actor/entropy", loss.entropy),
+                               ("actor/approx_kl", loss.approx_kl)):
+                parts[key] += value * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        return parts | {"actor/grad_norm": float(grad_norm)}
+
+    def save(self, name: str) -> Path:
+        folder = self.out_dir / name
+        state = {
+            "global_step": self.global_step,
+            "data_position": self.data.position,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+            "reference": str(self.reference_path),
+        }
+        record: dict[str, Any] = {
+            "env": self.env, "phase": self.phase, "h": self.h, "steps": self.steps, "global_step": self.global_step,
+            "phase_first_step": self.first_step, "algorithm": self.config.algorithm, "seed": self.config.seed,
+            "config": self.config.model_dump(), "parent": self.parent, "kind": name.split("/")[0],
+            "cost": self.ledger.as_dict(),
+        }
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(state, tmp / STATE)
+
+        write_checkpoint(folder, write, record)
+        if name.startswith("intermediate"):
+            prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
+        return folder
+
+
+def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
+                config: TrainConfig, url: str, progress: bool = False) -> Path:
+    """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
+
+    A phase whose final checkpoint exists (and verifies) is not trained again.
+    """
+    out_dir, init_checkpoint = Path(out_dir), Path(init_checkpoint)
+    final = out_dir / "final"
+    if (final / MANIFEST).exists():
+        read_manifest(final)
+        return final
+    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url).run(progress)
