@@ -35,6 +35,13 @@ class _Recorder:
         return out
 
 
+def recorded_episode(env: str, client: Any, data_idx: int) -> list[str]:
+    """Play the expert on ``data_idx``: [first observation, reply 1, observation 1, reply 2, ...]."""
+    texts: list[str] = []
+    expert(env)(_Recorder(client, texts), data_idx)
+    return texts
+
+
 def expert_corpus(episodes: dict[str, int] | None = None) -> Iterator[str]:
     """Instructions of every environment, then the text of ``episodes[env]`` expert episodes each."""
     episodes = episodes if episodes is not None else {env: 8 for env in SERVED}
@@ -46,9 +53,7 @@ def expert_corpus(episodes: dict[str, int] | None = None) -> Iterator[str]:
         client = local_client(env)
         try:
             for item in load_split(env, "train")[:count]:
-                texts: list[str] = []
-                expert(env)(_Recorder(client, texts), item_index(item["item_id"]))
-                yield from texts
+                yield from recorded_episode(env, client, item_index(item["item_id"]))
         finally:
             client.close()
             client.backend.shutdown()

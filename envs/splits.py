@@ -21,6 +21,7 @@ SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
     "babyai": (900, 810, 90),
     "textcraft": (None, 374, 100),
     "sciworld": (None, 2120, 200),
+    "bandit": (None, 48, 16),
 }
 
 

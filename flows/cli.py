@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from envs.registry import SERVED, UnknownEnvironmentError
+from envs.registry import SERVED, TESTING, UnknownEnvironmentError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter-RL agent training pipeline.")
 console = Console()
@@ -28,7 +28,7 @@ def _fail(message: str) -> None:
 
 
 def _check_env(env: str) -> None:
-    if env not in SERVED:
+    if env not in SERVED and env not in TESTING:
         _fail(str(UnknownEnvironmentError(f"unknown environment {env!r}: choose one of {', '.join(SERVED)}")))
 
 

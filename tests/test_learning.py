@@ -1,0 +1,50 @@
+"""The trainers learn: on the bandit (one action pays), RL after a 50/50 SFT warm start raises success."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from envs.bandit.backend import OBSERVATION
+from envs.bandit.client import INSTRUCTION
+from envs.splits import load_split
+from training.config_train import TrainConfig
+from training.evaluate import evaluate
+from training.sft import SFTConfig, sft, to_trajectory
+from training.trainer import train_phase
+
+
+def _conversation(arm: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": INSTRUCTION}, {"role": "assistant", "content": "OK."},
+            {"role": "user", "content": OBSERVATION},
+            {"role": "assistant", "content": f"Thought: pick one.\nAction: {arm}"}]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model after SFT on as many 'left' as 'right' replies: it picks either, about evenly."""
+    out = tmp_path_factory.mktemp("bandit") / "sft"
+    return sft(tiny_model_dir, out, [_conversation("left"), _conversation("right")] * 8,
+               SFTConfig(epochs=30, lr=2e-3, batch_size=8))
+
+
+def test_sft_trains_only_the_agents_reply(tiny_policy) -> None:
+    tokenizer = tiny_policy[1]
+    t = to_trajectory(_conversation("right"), tokenizer)
+    trained = tokenizer.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m])
+    assert trained == "Thought: pick one.\nAction: right<|im_end|>"  # not the acknowledgement "OK."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp"])
+def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path, env_server, tmp_path) -> None:
+    url = env_server("bandit")
+    test = [r["item_id"] for r in load_split("bandit", "test")]
+    before = evaluate(warm_start, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)
+    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=5e-4, kl_coef=0,
+                         mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
+    final = train_phase("bandit", 0, 1, 8, warm_start, tmp_path, config=config, url=url)
+    after = evaluate(final, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)
+    assert 0.2 < before.success_rate < 0.8  # the warm start is undecided
+    assert after.success_rate >= 0.8 and after.success_rate > before.success_rate + 0.2, (before, after)

@@ -1,0 +1,117 @@
+"""Supervised fine-tuning on stored trajectories, through the same mask machinery as RL.
+
+Optional warm start from expert episodes (this project's smoke runs use it so a tiny random model can
+act at all); the paper-scale presets keep the paper's rule: no SFT warm-up. Conversations are the
+rollout's message lists; the loss covers exactly the assistant turns the agent wrote (the chat
+template's generation mask), never the instruction's acknowledgement, template or observation tokens.
+
+    scalinginter sft babyai --init models/tiny --out runs/babyai/sft --episodes 64
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from envs.corpus import recorded_episode
+from envs.local import local_client
+from envs.registry import spec_class
+from envs.splits import item_index, load_split
+from training.checkpoint import STATE, folder_hash, write_checkpoint
+from training.devices import resolve_device
+from training.experience import collate
+from training.losses import token_logprobs
+from training.model import load_policy
+from training.trajectory import Trajectory
+
+
+class SFTConfig(BaseModel):
+    """Supervised warm start settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    device: str = "cpu"
+
+
+def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, str]]]:
+    """The rollout-format message list of an expert episode on each item (played in-process)."""
+    human, gpt = spec_class(env).conversation_start
+    client = local_client(env)
+    out = []
+    try:
+        for item in item_ids:
+            texts = recorded_episode(env, client, item_index(item))
+            messages = [{"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]}]
+            messages.append({"role": "user", "content": texts[0]})
+            for reply, observation in zip(texts[1::2], texts[2::2], strict=True):
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+            out.append(messages[:-1])  # the episode ends with the agent's last reply
+    finally:
+        client.close()
+        client.backend.shutdown()
+    return out
+
+
+def to_trajectory(messages: list[dict[str, str]], tokenizer: Any, group: int = 0) -> Trajectory:
+    """Token ids and the assistant mask of a conversation; the prompt's acknowledgement is not trained."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+    prompt_ids = tokenizer.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+    t = Trajectory(item_id="sft", group=group, sample=0)
+    t.input_ids = list(rendered["input_ids"])
+    t.loss_mask = [0] * len(prompt_ids) + list(rendered["assistant_masks"][len(prompt_ids):])
+    t.logprobs = [0.0] * len(t.input_ids)
+    return t
+
+
+def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config: SFTConfig,
+        progress: bool = False) -> Path:
+    """Fine-tune ``init`` on ``conversations``; write an atomic checkpoint to ``out``; return it."""
+    device = resolve_device(config.device)
+    model, tokenizer = load_policy(init, device)
+    examples = [to_trajectory(m, tokenizer, i) for i, m in enumerate(conversations)]
+    if not examples:
+        raise ValueError("SFT got no conversations: give at least one expert episode")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    rng = random.Random(config.seed)
+    model.train()
+    losses = []
+    for _ in tqdm(range(config.epochs), desc="sft", disable=not progress):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for start in range(0, len(order), config.batch_size):
+            batch = collate([examples[i] for i in order[start:start + config.batch_size]], tokenizer.pad_token_id)
+            ids = batch.input_ids.to(device)
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
+            mask = batch.mask.to(device)
+            loss = -(token_logprobs(logits, ids) * mask).sum() / mask.sum().clamp(min=1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)  # RL keeps close to the SFT policy
+
+    record = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
+              "final_loss": losses[-1], "first_loss": losses[0]}
+    write_checkpoint(out, write, record)
+    return out
+
+
+def sft_items(env: str, count: int, split: str = "train", sub_tasks: list[str] | None = None) -> list[str]:
+    """The first ``count`` items of a split (optionally of some sub-tasks) to warm-start on."""
+    rows = [r for r in load_split(env, split) if not sub_tasks or r["sub_task"] in sub_tasks]
+    return [r["item_id"] for r in rows[:count]]
