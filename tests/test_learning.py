@@ -37,7 +37,7 @@ def test_sft_trains_only_the_agents_reply(tiny_policy) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "ppo"])
 def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path, env_server, tmp_path) -> None:
     url = env_server("bandit")
     test = [r["item_id"] for r in load_split("bandit", "test")]

@@ -110,3 +110,11 @@ def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path
     state_one = torch.load(once / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
     state_two = torch.load(twice / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
     assert float(state_two[0]["step"]) == 2 * float(state_one[0]["step"])
+
+
+def test_ppo_trains_a_critic_and_saves_it(env_server, tiny_model_dir, tmp_path) -> None:
+    config = CONFIG.model_copy(update={"algorithm": "ppo"})
+    final = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path, config=config, url=env_server("babyai"))
+    assert "critic.safetensors" in read_manifest(final)["files"]
+    metrics = json.loads((tmp_path / "dvclive" / "metrics.json").read_text())
+    assert {"value_loss", "vf_explained_var", "values_mean", "returns_mean"} <= set(metrics["critic"])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from envs.splits import load_split
+from training.advantages import masked_mean
 from training.checkpoint import (
     MANIFEST,
     STATE,
@@ -32,10 +33,11 @@ from training.checkpoint import (
     write_checkpoint,
 )
 from training.config_train import TrainConfig
+from training.critic import ValueModel, explained_variance, sequence_values
 from training.devices import resolve_device
 from training.engine import HFEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
-from training.losses import actor_loss, token_entropy, token_logprobs
+from training.losses import actor_loss, token_entropy, token_logprobs, value_loss
 from training.metrics import Metrics
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, write_rollout_log
@@ -105,6 +107,12 @@ class PhaseTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
             for group in self.optimizer.param_groups:
                 group["lr"] = config.lr  # a new phase may set its own learning rate
+        self.critic, self.critic_optimizer = None, None
+        if config.algorithm == "ppo":
+            self.critic = ValueModel.load(source, self.device)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
+            if "critic_optimizer" in state:
+                self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         if "rng" in state:  # every sampling call reseeds from (seed, step, round); this keeps anything else exact
             torch.set_rng_state(state["rng"]["torch"])
         self.global_step = int(state.get("global_step", 0))
@@ -183,7 +191,10 @@ class PhaseTrainer:
             exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size)
             if cfg.kl_in_reward:
                 exp.rewards = exp.rewards - cfg.kl_coef * (exp.old_logprobs - exp.ref_logprobs) * exp.mask
-        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam)
+        values = None
+        if self.critic is not None:
+            values = sequence_values(self.critic, exp.input_ids, exp.attention_mask, cfg.micro_batch_size)
+        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam, values=values)
         return exp
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
@@ -228,7 +239,25 @@ class PhaseTrainer:
                 parts[key] += value * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
+        if self.critic is not None:
+            parts |= self._critic_update(mb)
         return parts | {"actor/grad_norm": float(grad_norm)}
+
+    def _critic_update(self, mb: Experience) -> dict[str, float]:
+        """One clipped value-loss step of the critic on a mini-batch (GAE returns as targets)."""
+        assert self.critic is not None and self.critic_optimizer is not None
+        mask = mb.mask.to(self.device)
+        returns = mb.returns.to(self.device)
+        values = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device))
+        loss, clipfrac = value_loss(values, mb.old_values.to(self.device), returns, mask, self.config.clip)
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.grad_clip)
+        self.critic_optimizer.step()
+        return {"critic/value_loss": float(loss.detach()), "critic/vf_clipfrac": clipfrac,
+                "critic/values_mean": float(masked_mean(values.detach(), mask)),
+                "critic/returns_mean": float(masked_mean(returns, mask)),
+                "critic/vf_explained_var": explained_variance(values.detach(), returns, mask)}
 
     def save(self, name: str) -> Path:
         folder = self.out_dir / name
@@ -237,6 +266,7 @@ class PhaseTrainer:
             "data_position": self.data.position,
             "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
+            **({"critic_optimizer": self.critic_optimizer.state_dict()} if self.critic_optimizer else {}),
             "reference": str(self.reference_path),
         }
         record: dict[str, Any] = {
@@ -250,6 +280,8 @@ class PhaseTrainer:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             torch.save(state, tmp / STATE)
+            if self.critic is not None:
+                self.critic.save(tmp)
 
         write_checkpoint(folder, write, record)
         if name.startswith("intermediate"):
