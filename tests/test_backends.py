@@ -1,0 +1,46 @@
+"""Backends: DeepSpeed ZeRO over two CPU processes (gloo) trains exactly like the torch backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envs.testing import ROOT
+from training.devices import DeviceError, distributed_backend, resolve_device
+
+EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
+
+
+def _losses(cmd: list[str]) -> list[float]:
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_deepspeed_two_processes_match_the_torch_backend(tiny_model_dir, zero: int) -> None:
+    pytest.importorskip("deepspeed")
+    check = ["-m", "training.backend_check", "--model", str(tiny_model_dir), "--steps", "3"]
+    reference = _losses([sys.executable, *check, "--backend", "torch"])
+    distributed = _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29500 + zero), *check, "--backend", "deepspeed", "--zero", str(zero)])
+    assert distributed == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert reference[0] != reference[-1]  # the weights really moved between steps
+
+
+def test_device_selection_is_explicit_about_what_is_missing() -> None:
+    assert resolve_device("cpu").type == "cpu"
+    assert distributed_backend(resolve_device("cpu")) == "gloo"
+    if resolve_device("auto").type == "cpu":
+        with pytest.raises(DeviceError, match="CUDA is not available"):
+            resolve_device("cuda")
+        with pytest.raises(DeviceError, match="NPU is not available"):
+            resolve_device("npu")
+    with pytest.raises(DeviceError, match="unknown device"):
+        resolve_device("tpu")

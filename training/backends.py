@@ -1,0 +1,99 @@
+"""Trainer backends: who applies a loss to the weights.
+
+* ``torch``: one process, CPU or one GPU; AdamW with gradient clipping.
+* ``deepspeed``: DeepSpeed's own engine with ZeRO stage 1, 2 or 3, over several processes (launched by
+  ``deepspeed`` or ``torchrun``). On a CPU machine DeepSpeed picks its CPU accelerator and gloo; pass a torch
+  optimizer so DeepSpeed does not compile its own Adam, and keep ``TORCH_EXTENSIONS_DIR`` cached (the first
+  init builds a small communication op).
+
+Both take token-weighted micro-batch losses (already scaled by their share of the mini-batch), so a
+mini-batch split across micro-batches or ranks gives the same update as one big batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """What the trainer asks of a backend."""
+
+    model: torch.nn.Module
+    rank: int
+    world_size: int
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None: ...
+
+    def step(self) -> float: ...
+
+    def optimizer_state(self) -> dict[str, Any]: ...
+
+
+class TorchBackend:
+    """Plain torch: backward, clip, AdamW step."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> None:
+        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+
+class DeepSpeedBackend:
+    """DeepSpeed's engine with ZeRO; gradients are averaged over ranks (data parallel)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                 zero_stage: int = 2, micro_batch_size: int = 1) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": 1,  # the trainer marks boundaries itself (uneven last mini-batches)
+            "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True,
+        }
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.model = self.engine.module
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+
+def make_backend(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                 zero_stage: int = 2, micro_batch_size: int = 1) -> Backend:
+    """The backend called ``name`` (torch or deepspeed)."""
+    if name == "torch":
+        return TorchBackend(model, optimizer, grad_clip)
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, optimizer, grad_clip, zero_stage, micro_batch_size)
+    raise ValueError(f"unknown backend {name!r}: choose torch or deepspeed")
