@@ -107,8 +107,8 @@ def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path
     once = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "one", config=CONFIG, url=env_server("babyai"))
     twice = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "two", url=env_server("babyai"),
                         config=CONFIG.model_copy(update={"ppo_epochs": 2}))
-    state_one = torch.load(once / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
-    state_two = torch.load(twice / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    state_one = torch.load(once / "optimizer_rank0.pt", weights_only=False)["state"]
+    state_two = torch.load(twice / "optimizer_rank0.pt", weights_only=False)["state"]
     assert float(state_two[0]["step"]) == 2 * float(state_one[0]["step"])
 
 

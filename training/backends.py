@@ -12,6 +12,7 @@ mini-batch split across micro-batches or ranks gives the same update as one big 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -24,11 +25,17 @@ class Backend(Protocol):
     rank: int
     world_size: int
 
+    def forward(self, **inputs: torch.Tensor) -> Any: ...
+
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None: ...
 
     def step(self) -> float: ...
 
     def optimizer_state(self) -> dict[str, Any]: ...
+
+    def save_model(self, folder: Path) -> None: ...
+
+    def barrier(self) -> None: ...
 
 
 class TorchBackend:
@@ -38,6 +45,15 @@ class TorchBackend:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> None:
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.model(**inputs)
+
+    def save_model(self, folder: Path) -> None:
+        self.model.save_pretrained(folder)
+
+    def barrier(self) -> None:
+        """One process: nothing to wait for."""
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         loss.backward()
@@ -74,6 +90,21 @@ class DeepSpeedBackend:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.model = self.engine.module
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.engine(**inputs)
+
+    def save_model(self, folder: Path) -> None:
+        """The full HF model (ZeRO-3 gathers its partitioned weights first); call on rank 0."""
+        if self.engine.zero_optimization_stage() == 3:
+            self.model.save_pretrained(folder, state_dict=self.engine._zero3_consolidated_16bit_state_dict())
+        else:
+            self.model.save_pretrained(folder)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last_micro_batch)

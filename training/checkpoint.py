@@ -55,14 +55,27 @@ def folder_hash(folder: Path) -> str:
     return content_hash({p.name: sha256_file(p) for p in folder.iterdir() if p.is_file()})
 
 
-def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: dict[str, Any]) -> str:
-    """Write a checkpoint atomically: ``write_files(tmp)`` fills a temporary folder, a manifest is added,
-    then the folder is renamed to ``folder`` (replacing an older one). Returns the checkpoint's hash."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+def staging_folder(folder: Path, shared: bool = False) -> Path:
+    """The temporary sibling a checkpoint is written into; ``shared`` (several ranks write) omits the pid."""
+    return folder.parent / (f".tmp-{folder.name}" if shared else f".tmp-{folder.name}-{os.getpid()}")
+
+
+def prepare_staging(tmp: Path) -> None:
+    """An empty staging folder (left-overs of a killed run are removed)."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+
+
+def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: dict[str, Any],
+                     tmp: Path | None = None) -> str:
+    """Write a checkpoint atomically: ``write_files(tmp)`` fills a temporary folder, a manifest is added,
+    then the folder is renamed to ``folder`` (replacing an older one). Returns the checkpoint's hash.
+    Pass ``tmp`` when other processes already wrote their part into a shared staging folder."""
+    if tmp is None:
+        tmp = staging_folder(folder)
+        prepare_staging(tmp)
     try:
         write_files(tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

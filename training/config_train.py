@@ -13,6 +13,7 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
     backend: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (deepspeed backend)")
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N]")
     seed: int = 0
     # data
@@ -46,6 +47,9 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batches(self) -> TrainConfig:
+        if self.backend == "deepspeed" and self.zero_stage == 3:
+            raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
+                             "use zero_stage 1 or 2 (ZeRO-3 is checked by training.backend_check)")
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size {self.mini_batch_size} must be a multiple of micro_batch_size "
                              f"{self.micro_batch_size}")

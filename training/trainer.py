@@ -23,13 +23,16 @@ import torch
 
 from envs.splits import load_split
 from training.advantages import masked_mean
+from training.backends import make_backend
 from training.checkpoint import (
     MANIFEST,
     STATE,
     folder_hash,
     latest_checkpoint,
+    prepare_staging,
     prune,
     read_manifest,
+    staging_folder,
     write_checkpoint,
 )
 from training.config_train import TrainConfig
@@ -102,9 +105,14 @@ class PhaseTrainer:
         self.reference = None
         if config.kl_coef:
             self.reference = load_policy(self.reference_path, self.device)[0].eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.backend = make_backend(config.backend, self.model, optimizer, config.grad_clip, config.zero_stage,
+                                    config.micro_batch_size)
+        self.optimizer = self.backend.optimizer
+        rank_state = source / f"optimizer_rank{self.backend.rank}.pt"
+        if "optimizer" in state or rank_state.exists():
+            self.optimizer.load_state_dict(torch.load(rank_state, weights_only=False) if rank_state.exists()
+                                           else state["optimizer"])
             for group in self.optimizer.param_groups:
                 group["lr"] = config.lr  # a new phase may set its own learning rate
         self.critic, self.critic_optimizer = None, None
@@ -125,7 +133,9 @@ class PhaseTrainer:
             self.first_step, self.parent = self.global_step, folder_hash(init_checkpoint)
             self.ledger = Ledger()
         self.data = DataStream(env, config, int(state.get("data_position", 0)))
-        self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None)
+        self.leader = self.backend.rank == 0  # only rank 0 logs metrics and writes the shared files
+        self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None) \
+            if self.leader else None
         engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
@@ -147,13 +157,15 @@ class PhaseTrainer:
             self.ledger.wall_seconds += time.perf_counter() - started
             stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
                       "timing_s/step": time.perf_counter() - started}
-            self.metrics.log(stats, step)
+            if self.metrics is not None:
+                self.metrics.log(stats, step)
             steps.set_postfix(reward=f"{stats['reward/mean']:.3f}", success=f"{stats['success/rate']:.2f}")
             self.global_step = step + 1
             done = self.global_step == self.end_step
             if done or (self.global_step - self.first_step) % self.config.save_every == 0:
                 self.save("final" if done else f"intermediate/step-{self.global_step:06d}")
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.steps == 0 or not (self.out_dir / "final" / MANIFEST).exists():
             self.save("final")
         return self.out_dir / "final"
@@ -163,8 +175,9 @@ class PhaseTrainer:
         cfg = self.config
         t0 = time.perf_counter()
         self.model.eval()
-        result = self.rollout.run(self.data.take(cfg.batch_items), self.h, step=step)
-        if cfg.log_rollouts:
+        items = self.data.take(cfg.batch_items)[self.backend.rank::self.backend.world_size]  # data parallel
+        result = self.rollout.run(items, self.h, step=step)
+        if cfg.log_rollouts and self.leader:
             write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step)
         self.ledger.generated_tokens += result.generated_tokens
         stats = dict(result.stats)
@@ -216,14 +229,13 @@ class PhaseTrainer:
 
     def _mini_batch(self, mb: Experience) -> dict[str, float]:
         cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mb.mask.sum().clamp(min=1)
         parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/kl": 0.0, "actor/entropy": 0.0,
                  "actor/approx_kl": 0.0}
         for start in range(0, len(mb), cfg.micro_batch_size):
             micro = mb.select(torch.arange(start, min(start + cfg.micro_batch_size, len(mb))))
             ids = micro.input_ids.to(self.device)
-            logits = self.model(input_ids=ids, attention_mask=micro.attention_mask.to(self.device)).logits
+            logits = self.backend.forward(input_ids=ids, attention_mask=micro.attention_mask.to(self.device)).logits
             mask = micro.mask.to(self.device)
             loss = actor_loss(
                 token_logprobs(logits, ids, cfg.temperature), micro.old_logprobs.to(self.device),
@@ -232,13 +244,12 @@ class PhaseTrainer:
                 else micro.ref_logprobs.to(self.device),
                 kl_coef=cfg.kl_coef, entropy=token_entropy(logits, cfg.temperature), entropy_coef=cfg.entropy_coef)
             share = float(mask.sum() / total_tokens)
-            (loss.loss * share).backward()
+            self.backend.backward(loss.loss * share, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
             for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
                                ("actor/kl", loss.kl), ("actor/entropy", loss.entropy),
                                ("actor/approx_kl", loss.approx_kl)):
                 parts[key] += value * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+        grad_norm = self.backend.step()
         if self.critic is not None:
             parts |= self._critic_update(mb)
         return parts | {"actor/grad_norm": float(grad_norm)}
@@ -264,7 +275,6 @@ class PhaseTrainer:
         state = {
             "global_step": self.global_step,
             "data_position": self.data.position,
-            "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
             **({"critic_optimizer": self.critic_optimizer.state_dict()} if self.critic_optimizer else {}),
             "reference": str(self.reference_path),
@@ -277,15 +287,25 @@ class PhaseTrainer:
         }
 
         def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
+            self.backend.save_model(tmp)
             self.tokenizer.save_pretrained(tmp)
             torch.save(state, tmp / STATE)
             if self.critic is not None:
                 self.critic.save(tmp)
 
-        write_checkpoint(folder, write, record)
-        if name.startswith("intermediate"):
-            prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
+        # Every rank writes its optimizer partition into one shared staging folder; rank 0 adds the rest,
+        # the manifest, and renames it into place (so the checkpoint appears whole or not at all).
+        tmp = staging_folder(folder, shared=self.backend.world_size > 1)
+        if self.leader:
+            prepare_staging(tmp)
+        self.backend.barrier()
+        torch.save(self.backend.optimizer_state(), tmp / f"optimizer_rank{self.backend.rank}.pt")
+        self.backend.barrier()
+        if self.leader:
+            write_checkpoint(folder, write, record, tmp=tmp)
+            if name.startswith("intermediate"):
+                prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
+        self.backend.barrier()
         return folder
 
 
