@@ -44,3 +44,23 @@ def test_device_selection_is_explicit_about_what_is_missing() -> None:
             resolve_device("npu")
     with pytest.raises(DeviceError, match="unknown device"):
         resolve_device("tpu")
+
+
+@pytest.mark.slow
+def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_server, tiny_model_dir, tmp_path) -> None:
+    pytest.importorskip("deepspeed")
+    from training.checkpoint import read_manifest
+
+    out = tmp_path / "phase"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29511",
+           "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2", "--init", str(tiny_model_dir),
+           "--out", str(out), "--url", env_server("bandit"), "--set", "backend=deepspeed", "--set", "batch_items=4",
+           "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "mini_batch_size=4",
+           "--set", "micro_batch_size=2"]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = read_manifest(out / "final")  # verifies every file's sha256
+    assert {"optimizer_rank0.pt", "optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
+    assert manifest["global_step"] == 2 and manifest["config"]["backend"] == "deepspeed"
+    assert not list(out.glob(".tmp-*"))  # no staging folder left behind
