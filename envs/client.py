@@ -88,6 +88,11 @@ def _check(response: httpx.Response) -> Any:
     )
 
 
+def agentgym_conversation(instruction: str, ack: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """AgentGym's ``conversation_start``: the instruction (human) and the agent's acknowledgement (gpt)."""
+    return ({"from": "human", "loss": None, "value": instruction}, {"from": "gpt", "loss": False, "value": ack})
+
+
 class ClientLogic:
     """What sync and async clients share: prompts, parsing and turning payloads into outputs."""
 

@@ -8,7 +8,7 @@ AgentGym's BabyAI client and server: letters, digits, commas and spaces only, lo
 
 from __future__ import annotations
 
-from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic
+from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic, agentgym_conversation
 from envs.react import plain_action
 
 INSTRUCTION = (
@@ -44,10 +44,7 @@ class Spec(ClientLogic):
     """BabyAI's prompt and action cleaning."""
 
     env_name = "babyai"
-    conversation_start = (
-        {"from": "human", "loss": None, "value": INSTRUCTION},
-        {"from": "gpt", "loss": False, "value": ACK},
-    )
+    conversation_start = agentgym_conversation(INSTRUCTION, ACK)
 
     def clean_action(self, action: str) -> str:
         """Letters, digits, commas and spaces, lower-cased (AgentGym's BabyAI client and server)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic
+from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic, agentgym_conversation
 from envs.react import plain_action
 
 INSTRUCTION = (
@@ -13,8 +13,7 @@ INSTRUCTION = (
 
 class Spec(ClientLogic):
     env_name = "bandit"
-    conversation_start = ({"from": "human", "loss": None, "value": INSTRUCTION},
-                          {"from": "gpt", "loss": False, "value": "OK."})
+    conversation_start = agentgym_conversation(INSTRUCTION, "OK.")
 
     def clean_action(self, action: str) -> str:
         return plain_action(action).lower()

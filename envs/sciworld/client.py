@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic
+from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic, agentgym_conversation
 from envs.react import EMPTY_ACTION, ActionParseError
 
 # (template, what it does): OBJ/OBJ2 are object names and LOC a room name, as the observations show them.
@@ -63,10 +63,7 @@ class Spec(ClientLogic):
     """SciWorld's prompt and its reply/observation conventions."""
 
     env_name = "sciworld"
-    conversation_start = (
-        {"from": "human", "loss": None, "value": INSTRUCTION},
-        {"from": "gpt", "loss": False, "value": ACK},
-    )
+    conversation_start = agentgym_conversation(INSTRUCTION, ACK)
 
     def clean_action(self, action: str) -> str:
         """Drop a trailing end-of-sequence token ``</s>`` and surrounding whitespace; nothing left is an error."""

@@ -7,7 +7,7 @@ TextCraft client: only letters, digits, commas and spaces are kept (``envs.react
 
 from __future__ import annotations
 
-from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic
+from envs.client import AsyncBaseEnvClient, BaseEnvClient, ClientLogic, agentgym_conversation
 from envs.react import plain_action
 
 INSTRUCTION = (
@@ -40,10 +40,7 @@ class Spec(ClientLogic):
     """TextCraft's prompt and AgentGym's action cleaning."""
 
     env_name = "textcraft"
-    conversation_start = (
-        {"from": "human", "loss": None, "value": INSTRUCTION},
-        {"from": "gpt", "loss": False, "value": ACK},
-    )
+    conversation_start = agentgym_conversation(INSTRUCTION, ACK)
 
     def clean_action(self, action: str) -> str:
         """Keep letters, digits, commas and spaces; collapse whitespace (AgentGym's TextCraft cleaning)."""

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from envs.client import BaseEnvClient, StepOutput
+from envs.textcraft.recipes import reaches
 
 _LINE = re.compile(r"craft (\d+) (.+?) using (.+)")
 _PART = re.compile(r"(\d+) (.+)")
@@ -110,16 +111,8 @@ class Planner:
 
     def _needs(self, name: str, target: str) -> bool:
         """Whether some line that makes ``name`` (directly or through its inputs' lines) uses ``target``."""
-        seen: set[str] = set()
-        stack = [name]
-        while stack:
-            node = stack.pop()
-            if node == target:
-                return True
-            if node not in seen:
-                seen.add(node)
-                stack.extend(i for line in self.recipes.get(node, ()) for i, _ in line.inputs)
-        return False
+        deps = {node: [i for line in lines for i, _ in line.inputs] for node, lines in self.recipes.items()}
+        return reaches(deps, [name], target)
 
     def _craft_way(self, line: Line, visiting: frozenset[str]) -> Way | None:
         if line in self.bad_lines:

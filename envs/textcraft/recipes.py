@@ -143,7 +143,8 @@ def _is_unpacking(recipe: Recipe) -> bool:
     return len(recipe.inputs) == 1 and recipe.inputs[0][0].endswith("_block")
 
 
-def _reaches(deps: Mapping[str, set[str]], starts: Iterable[str], target: str) -> bool:
+def reaches(deps: Mapping[str, Iterable[str]], starts: Iterable[str], target: str) -> bool:
+    """Whether ``target`` is reachable from ``starts`` following ``deps`` (node -> its inputs)."""
     seen: set[str] = set()
     stack = list(starts)
     while stack:
@@ -166,7 +167,7 @@ def _select(recipes: Iterable[Recipe]) -> tuple[dict[str, list[Recipe]], dict[st
         inputs = [node for node, _ in recipe.inputs]
         if _is_unpacking(recipe):
             skipped[recipe.source] = "unpacking recipe (single '_block' ingredient)"
-        elif _reaches(deps, inputs, recipe.output):
+        elif reaches(deps, inputs, recipe.output):
             skipped[recipe.source] = "would create a dependency cycle"
         else:
             by_output.setdefault(recipe.output, []).append(recipe)
