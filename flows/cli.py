@@ -4,6 +4,11 @@
     scalinginter demo babyai                         # start a server, run one expert episode through HTTP
     scalinginter expert textcraft --split test       # expert success over a split, through HTTP
     scalinginter splits babyai                       # (re)write data/babyai/{train,test}.json
+    scalinginter curriculum --cap 4 --h1 1 --delta-h 1 --every 100 --t 350   # h(t) = 4
+    scalinginter curriculum babyai --profile paper   # the configured phase table
+    scalinginter build-model --preset tiny           # the default policy, built locally
+    scalinginter sft babyai --sub-task GoTo          # optional SFT warm start on expert episodes
+    scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --init models/tiny --out runs/babyai/phase-0
 """
 
 from __future__ import annotations
@@ -236,6 +241,29 @@ def train_phase_cmd(
         base = url or stack.enter_context(running_server(env))
         final = train_phase(env, phase, h, steps, Path(init), Path(out), config=config, url=base, progress=True)
     console.print(f"phase {phase} (h={h}) done: {final}")
+
+
+@app.command()
+def sft(
+    env: EnvArg,
+    init: Annotated[str, typer.Option(help="model folder to fine-tune")] = "models/tiny",
+    out: Annotated[str, typer.Option(help="checkpoint folder to write")] = "runs/sft",
+    episodes: Annotated[int, typer.Option(help="expert episodes from the training split")] = 64,
+    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
+    lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+) -> None:
+    """Warm-start a policy by SFT on expert episodes (optional; the paper's presets use no SFT)."""
+    from pathlib import Path
+
+    from training.sft import SFTConfig, expert_conversations, sft_items
+    from training.sft import sft as run_sft
+
+    _check_env(env)
+    with console.status(f"playing {episodes} {env} expert episodes"):
+        conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
+    path = run_sft(Path(init), Path(out), conversations, SFTConfig(epochs=epochs, lr=lr), progress=True)
+    console.print(f"SFT on {len(conversations)} episodes -> {path}")
 
 
 def main() -> None:
