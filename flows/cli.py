@@ -211,16 +211,18 @@ def train_phase_cmd(
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
     url: Annotated[str | None, typer.Option(help="environment server URL (default: start one)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable)")] = None,
+    profile: Annotated[str | None, typer.Option(help="params.yaml train profile (default: curriculum.profile)")]
+    = None,
 ) -> None:
-    """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly."""
+    """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly.
+
+    Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then ``--set``."""
     import contextlib
     import json
     from pathlib import Path
 
-    from pydantic import ValidationError
-
     from envs.testing import running_server
-    from training.config_train import TrainConfig
+    from training.config import ConfigError, train_config
     from training.trainer import train_phase
 
     _check_env(env)
@@ -234,9 +236,9 @@ def train_phase_cmd(
         except json.JSONDecodeError:
             overrides[key] = value
     try:
-        config = TrainConfig(**overrides)
-    except ValidationError as err:
-        _fail(f"bad training config: {err}")
+        config = train_config(env, profile, overrides)
+    except ConfigError as err:
+        _fail(str(err))
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(env))
         final = train_phase(env, phase, h, steps, Path(init), Path(out), config=config, url=base, progress=True)

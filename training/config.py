@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from training.config_train import TrainConfig
 from training.curriculum import CurriculumConfig
 
 PARAMS_PATH = Path(__file__).resolve().parent.parent / "params.yaml"
@@ -39,3 +40,18 @@ def curriculum_config(env: str, profile: str | None = None, params: dict[str, An
         return CurriculumConfig(cap=section[env]["cap"], **profiles[profile])
     except ValidationError as err:
         raise ConfigError(f"curriculum.{env}.profiles.{profile} in params.yaml: {err}") from err
+
+
+def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,
+                 params: dict[str, Any] | None = None) -> TrainConfig:
+    """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``."""
+    params = load_params() if params is None else params
+    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
+    section = dict(params.get("train", {}).get(profile) or {})
+    if not section:
+        raise ConfigError(f"params.yaml has no train.{profile} section")
+    per_env = (section.pop("envs", None) or {}).get(env, {})
+    try:
+        return TrainConfig(**{**section, **per_env, **(overrides or {})})
+    except ValidationError as err:
+        raise ConfigError(f"train.{profile} (env {env}) in params.yaml, with overrides {overrides}: {err}") from err
