@@ -209,7 +209,8 @@ def train_phase_cmd(
     steps: Annotated[int, typer.Option(help="training steps of this phase")] = 2,
     init: Annotated[str, typer.Option(help="base model or the previous phase's final checkpoint")] = "models/tiny",
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
-    url: Annotated[str | None, typer.Option(help="environment server URL (default: start one)")] = None,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL (default: start one)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable)")] = None,
     profile: Annotated[str | None, typer.Option(help="params.yaml train profile (default: curriculum.profile)")]
     = None,
@@ -266,6 +267,23 @@ def sft(
         conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
     path = run_sft(Path(init), Path(out), conversations, SFTConfig(epochs=epochs, lr=lr), progress=True)
     console.print(f"SFT on {len(conversations)} episodes -> {path}")
+
+
+@app.command()
+def pipeline(check: Annotated[bool, typer.Option(help="only check that they agree with params.yaml")] = False
+             ) -> None:
+    """Write phases.yaml and dvc.yaml from params.yaml (one DVC stage per curriculum phase)."""
+    from flows.pipeline import check as check_files
+    from flows.pipeline import write
+
+    if check:
+        stale = check_files()
+        if stale:
+            _fail(f"{', '.join(stale)} disagree with params.yaml: run `scalinginter pipeline`")
+        console.print("phases.yaml and dvc.yaml agree with params.yaml")
+        return
+    changed = write()
+    console.print(f"wrote {', '.join(p.name for p in changed)}" if changed else "already up to date")
 
 
 def main() -> None:

@@ -1,0 +1,87 @@
+"""The DVC pipeline: generated from params.yaml, agrees with the curriculum function, reruns exactly
+what a change invalidates."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from envs.testing import ROOT
+from flows.pipeline import check, render
+from training.config import curriculum_config, load_params
+
+
+def test_committed_dvc_yaml_and_phases_agree_with_params_and_the_curriculum() -> None:
+    assert check() == [], "run `scalinginter pipeline` and commit phases.yaml and dvc.yaml"
+    params = load_params()
+    phases = yaml.safe_load((ROOT / "phases.yaml").read_text())
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    profile = params["curriculum"]["profile"]
+    for env in params["pipeline"]["envs"]:
+        expected = curriculum_config(env, profile).phases()
+        assert [(p["h"], p["steps"], p["first_step"]) for p in phases[env].values()] == \
+            [(p.h, p.steps, p.first_step) for p in expected]
+        for p in expected:
+            cmd = stages[f"{env}_phase_{p.index}"]["cmd"]
+            assert f"--h {p.h} --steps {p.steps}" in cmd and f"--phase {p.index}" in cmd
+            parent = "models/tiny" if p.index == 0 else f"runs/{env}/phase-{p.index - 1}/final"
+            assert f"--init {parent}" in cmd and parent in stages[f"{env}_phase_{p.index}"]["deps"]
+
+
+def test_changing_one_phase_changes_only_it_and_later_phases() -> None:
+    params = load_params()
+    params["pipeline"]["envs"] = ["babyai"]
+    before = yaml.safe_load(render(params)[0])["babyai"]
+    params["curriculum"]["babyai"]["profiles"]["smoke"]["delta_h"] = 3  # phase 0 keeps h1; later phases move
+    after = yaml.safe_load(render(params)[0])["babyai"]
+    assert before["phase_0"] == after["phase_0"]
+    assert before["phase_1"] != after["phase_1"] and before["phase_2"] != after["phase_2"]
+
+
+def _workspace(tmp_path: Path) -> Path:
+    """A copy of the working tree in its own git repository, with the pipeline on BabyAI's smoke curriculum."""
+    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "__pycache__", ".pytest_cache",
+                                    ".hypothesis", ".ruff_cache", "*.egg-info")
+    work = tmp_path / "repo"
+    shutil.copytree(ROOT, work, ignore=ignore)
+    params = (work / "params.yaml").read_text().replace("envs: [sciworld]", "envs: [babyai]")
+    (work / "params.yaml").write_text(params)
+    _sh(work, "scalinginter", "pipeline")
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        _sh(work, "git", *args)
+    return work
+
+
+def _sh(cwd: Path, *cmd: str) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    return done.stdout + done.stderr
+
+
+def _ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_path) -> None:
+    work = _workspace(tmp_path)
+    first = _sh(work, "dvc", "repro")
+    assert {"build_model", "babyai_phase_0", "babyai_phase_1", "babyai_phase_2"} <= set(_ran(first))
+    assert (work / "runs/babyai/phase-2/final/manifest.json").exists()
+    assert _ran(_sh(work, "dvc", "repro")) == []  # a second repro does nothing
+    params = (work / "params.yaml").read_text()
+    smoke = "smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}"
+    assert params.count(smoke) >= 1
+    (work / "params.yaml").write_text(params.replace(smoke, "smoke: {h1: 2, delta_h: 3, every: 2, total_steps: 6}",
+                                                     1))
+    _sh(work, "scalinginter", "pipeline")
+    third = _ran(_sh(work, "dvc", "repro"))
+    assert "babyai_phase_0" not in third and {"babyai_phase_1", "babyai_phase_2"} <= set(third)
