@@ -14,7 +14,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from envs.paths import project_root
+
+
+def data_dir() -> Path:
+    """The working copy's ``data/`` folder (see ``envs.paths``)."""
+    return project_root() / "data"
 
 # env -> (size of the index space the split draws from, n_train, n_test); None = the backend's num_items.
 SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
@@ -57,8 +62,9 @@ def make_split(env: str, labels: list[str], n_train: int, n_test: int, seed: int
     return {"train": rows(train), "test": rows(test)}
 
 
-def write_splits(env: str, backend: Any, out_dir: Path = DATA_DIR, seed: int = 0) -> dict[str, Path]:
+def write_splits(env: str, backend: Any, out_dir: Path | None = None, seed: int = 0) -> dict[str, Path]:
     """Compute the splits of ``env`` from its backend's sub-task labels and write them as JSON."""
+    out_dir = out_dir if out_dir is not None else data_dir()
     size, n_train, n_test = SPLIT_SIZES[env]
     size = size if size is not None else backend.num_items
     labels = [backend.sub_task(i) for i in range(size)]
@@ -71,9 +77,9 @@ def write_splits(env: str, backend: Any, out_dir: Path = DATA_DIR, seed: int = 0
     return paths
 
 
-def load_split(env: str, split: str, data_dir: Path = DATA_DIR) -> list[dict]:
+def load_split(env: str, split: str, folder: Path | None = None) -> list[dict]:
     """Read ``data/<env>/<split>.json``; a missing file names the command that writes it."""
-    path = data_dir / env / f"{split}.json"
+    path = (folder if folder is not None else data_dir()) / env / f"{split}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run `scalinginter splits {env}` to write it")
     return json.loads(path.read_text())

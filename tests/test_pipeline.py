@@ -47,7 +47,8 @@ def test_changing_one_phase_changes_only_it_and_later_phases() -> None:
 
 def _workspace(tmp_path: Path) -> Path:
     """A copy of the working tree in its own git repository, with the pipeline on BabyAI's smoke curriculum."""
-    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "__pycache__", ".pytest_cache",
+    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "cache", "tmp", "__pycache__",
+                                    ".pytest_cache",
                                     ".hypothesis", ".ruff_cache", "*.egg-info")
     work = tmp_path / "repo"
     shutil.copytree(ROOT, work, ignore=ignore)

@@ -8,18 +8,18 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from envs.paths import project_root
 from training.config_train import TrainConfig
 from training.curriculum import CurriculumConfig
-
-PARAMS_PATH = Path(__file__).resolve().parent.parent / "params.yaml"
 
 
 class ConfigError(ValueError):
     """params.yaml is missing something or holds a bad value; the message names the key."""
 
 
-def load_params(path: Path = PARAMS_PATH) -> dict[str, Any]:
-    """The parsed params.yaml."""
+def load_params(path: Path | None = None) -> dict[str, Any]:
+    """The parsed params.yaml of the working copy (``envs.paths.project_root``)."""
+    path = path if path is not None else project_root() / "params.yaml"
     if not path.exists():
         raise ConfigError(f"{path} not found: run from the project root or pass the params file")
     return yaml.safe_load(path.read_text()) or {}

@@ -1,0 +1,24 @@
+"""Where the project's files are: the working copy being run (DVC stages run in one), else the package.
+
+A stage run by ``dvc repro`` in any working copy (a worker's clone, a test's copy) must read that copy's
+params.yaml and splits, not the ones beside the installed code. Frozen data that is part of the code
+(TextCraft's goal list, SciWorld's task list) stays with the package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_root() -> Path:
+    """``$SCALINGINTER_ROOT``, else the current directory when it is a project (params.yaml and dvc.yaml),
+    else the installed package's root."""
+    if os.environ.get("SCALINGINTER_ROOT"):
+        return Path(os.environ["SCALINGINTER_ROOT"])
+    cwd = Path.cwd()
+    if (cwd / "params.yaml").exists() and (cwd / "dvc.yaml").exists():
+        return cwd
+    return PACKAGE_ROOT
