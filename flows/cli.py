@@ -286,6 +286,31 @@ def pipeline(check: Annotated[bool, typer.Option(help="only check that they agre
     console.print(f"wrote {', '.join(p.name for p in changed)}" if changed else "already up to date")
 
 
+@app.command()
+def lineage(env: EnvArg) -> None:
+    """Print the chain of phases of ENV from dvc.lock and the checkpoints; fail if the two disagree."""
+    from rich.table import Table
+
+    from envs.paths import project_root
+    from flows.lineage import lineage as read_lineage
+
+    try:
+        records, problems, revision = read_lineage(env, project_root())
+    except (FileNotFoundError, LookupError) as err:
+        _fail(str(err))
+    table = Table("stage", "h", "steps", "algorithm", "parent", "own hash", "reward/mean", "success/rate",
+                  "wall s", title=f"{env} lineage (dvc.lock at git {revision})")
+    for r in records:
+        fmt = {k: "-" if v is None else f"{v:.3f}" for k, v in r.metrics.items()}
+        table.add_row(r.stage, str(r.h), str(r.steps), r.algorithm, r.parent[:12], r.own[:12],
+                      fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"), str(r.cost.get("wall_seconds", "-")))
+    console.print(table)
+    if problems:
+        for problem in problems:
+            console.print(f"[red]disagreement:[/red] {problem}")
+        raise typer.Exit(1)
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

@@ -61,7 +61,8 @@ def _workspace(tmp_path: Path) -> Path:
 
 
 def _sh(cwd: Path, *cmd: str) -> str:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "COLUMNS": "200"}
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, f"{' '.join(cmd)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
     return done.stdout + done.stderr
@@ -86,3 +87,11 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     _sh(work, "scalinginter", "pipeline")
     third = _ran(_sh(work, "dvc", "repro"))
     assert "babyai_phase_0" not in third and {"babyai_phase_1", "babyai_phase_2"} <= set(third)
+    # lineage: dvc.lock and the checkpoints agree, and each phase's parent is the previous checkpoint
+    table = _sh(work, "scalinginter", "lineage", "babyai")
+    assert "babyai_phase_2" in table and "disagreement" not in table
+    lock = (work / "dvc.lock").read_text()
+    (work / "dvc.lock").write_text(lock.replace("h: 5", "h: 7", 1))  # phase 1's h after the change is 5
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "200"}
+    tampered = subprocess.run(["scalinginter", "lineage", "babyai"], cwd=work, env=env, capture_output=True, text=True)
+    assert tampered.returncode == 1 and "dvc.lock says h=7, the checkpoint says 5" in tampered.stdout

@@ -118,3 +118,18 @@ def test_ppo_trains_a_critic_and_saves_it(env_server, tiny_model_dir, tmp_path) 
     assert "critic.safetensors" in read_manifest(final)["files"]
     metrics = json.loads((tmp_path / "dvclive" / "metrics.json").read_text())
     assert {"value_loss", "vf_explained_var", "values_mean", "returns_mean"} <= set(metrics["critic"])
+
+
+def test_intra_phase_checkpoints_of_a_run_with_other_settings_are_not_resumed(env_server, tiny_model_dir,
+                                                                               tmp_path) -> None:
+    import shutil
+
+    url = env_server("babyai")
+    train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)
+    assert (tmp_path / "intermediate" / "step-000001").exists()
+    shutil.rmtree(tmp_path / "final")  # DVC removes a stage's outputs before rerunning it; intermediate persists
+    final = train_phase("babyai", 0, 2, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)  # h changed
+    manifest = read_manifest(final)
+    assert manifest["h"] == 2 and manifest["global_step"] == 2 and manifest["phase_first_step"] == 0
+    rows = (tmp_path / "dvclive" / "plots" / "metrics" / "curriculum" / "h.tsv").read_text().splitlines()[1:]
+    assert [float(r.split("\t")[1]) for r in rows] == [2.0, 2.0]  # both steps were trained at the new h

@@ -13,7 +13,10 @@ latest intra-phase checkpoint and ends with bitwise the same weights on CPU.
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +47,8 @@ from training.losses import actor_loss, token_entropy, token_logprobs, value_los
 from training.metrics import Metrics
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, write_rollout_log
+
+log = logging.getLogger(__name__)
 
 
 class DataStream:
@@ -95,7 +100,7 @@ class PhaseTrainer:
                  config: TrainConfig, url: str) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.out_dir = out_dir
-        resume = latest_checkpoint(out_dir / "intermediate")
+        resume = self._resumable(latest_checkpoint(out_dir / "intermediate"), init_checkpoint)
         source = resume or init_checkpoint
         manifest = read_manifest(source) if (source / MANIFEST).exists() else None  # refuses corrupted files
         state = torch.load(source / STATE, weights_only=False) if (source / STATE).exists() else {}
@@ -140,6 +145,25 @@ class PhaseTrainer:
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
             temperature=config.temperature, seed=config.seed))
+
+    def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:
+        """``candidate`` if it continues this very run (same parent, h, steps and config), else None.
+
+        Intra-phase checkpoints outlive a run (DVC keeps them as persistent outputs). One written by a run
+        with other settings or another parent must not be resumed: it is removed and the phase starts over.
+        """
+        if candidate is None:
+            return None
+        manifest = read_manifest(candidate)
+        same = (manifest["parent"] == folder_hash(init_checkpoint) and manifest["h"] == self.h
+                and manifest["steps"] == self.steps and manifest["phase"] == self.phase
+                and manifest["config"] == json.loads(json.dumps(self.config.model_dump())))
+        if not same:
+            log.warning("discarding intra-phase checkpoints of an earlier run with other settings in %s",
+                        candidate.parent)
+            shutil.rmtree(candidate.parent)
+            return None
+        return candidate
 
     @property
     def end_step(self) -> int:

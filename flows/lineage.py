@@ -1,0 +1,82 @@
+"""The lineage of a curriculum: which phase produced each checkpoint, from which parent, with what.
+
+Two records must tell the same story: ``dvc.lock`` (what DVC ran: each phase stage's params and the
+md5 of its inputs and outputs) and the checkpoints' own manifests (phase, h, steps, algorithm, parent
+hash, own hash, cost). :func:`lineage` reads both and lists every disagreement; the CLI fails on any.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.checkpoint import CheckpointError, folder_hash, read_manifest
+
+
+@dataclass
+class PhaseRecord:
+    """One phase as both records see it."""
+
+    stage: str
+    h: int
+    steps: int
+    algorithm: str
+    parent: str
+    own: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, float] = field(default_factory=dict)
+
+
+def _git_revision(root: Path) -> str:
+    done = subprocess.run(["git", "log", "-1", "--format=%h", "--", "dvc.lock"], cwd=root, capture_output=True,
+                          text=True)
+    return done.stdout.strip() or "uncommitted"
+
+
+def _metrics(folder: Path) -> dict[str, float]:
+    path = folder / "dvclive" / "metrics.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {"reward/mean": data.get("reward", {}).get("mean"), "success/rate": data.get("success", {}).get("rate")}
+
+
+def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
+    """(phase records in order, disagreements between dvc.lock and the checkpoints, git revision)."""
+    lock_path = root / "dvc.lock"
+    if not lock_path.exists():
+        raise FileNotFoundError(f"{lock_path} not found: run `dvc repro` (or pull the run's git history) first")
+    stages: dict[str, Any] = yaml.safe_load(lock_path.read_text())["stages"]
+    names = sorted((s for s in stages if s.startswith(f"{env}_phase_")), key=lambda s: int(s.rsplit("_", 1)[1]))
+    if not names:
+        raise LookupError(f"dvc.lock has no {env} phase stages: is {env} in params.yaml pipeline.envs?")
+    records, problems = [], []
+    expected_parent = folder_hash(root / "models" / "tiny") if (root / "models" / "tiny").exists() else None
+    for name in names:
+        index = int(name.rsplit("_", 1)[1])
+        locked = stages[name]["params"]["phases.yaml"][f"{env}.phase_{index}"]
+        folder = root / "runs" / env / f"phase-{index}"
+        try:
+            manifest = read_manifest(folder / "final")
+        except CheckpointError as err:
+            problems.append(f"{name}: {err} (run `dvc pull` to fetch it)")
+            continue
+        record = PhaseRecord(name, manifest["h"], manifest["steps"], manifest["algorithm"], manifest["parent"],
+                             manifest["hash"], _metrics(folder), manifest.get("cost", {}))
+        for key in ("h", "steps", "algorithm"):
+            seen = getattr(record, key)
+            if locked[key] != seen:
+                problems.append(f"{name}: dvc.lock says {key}={locked[key]}, the checkpoint says {seen}")
+        if manifest["phase"] != index:
+            problems.append(f"{name}: the checkpoint was written by phase {manifest['phase']}")
+        if expected_parent is not None and record.parent != expected_parent:
+            problems.append(f"{name}: its parent is {record.parent[:12]}, but the previous checkpoint is "
+                            f"{expected_parent[:12]}")
+        expected_parent = record.own
+        records.append(record)
+    return records, problems, _git_revision(root)
