@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from training import advantages as adv
-from training.losses import token_logprobs
+from training.losses import policy_forward
 from training.trajectory import Trajectory
 
 
@@ -70,8 +70,8 @@ def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: floa
     for start in range(0, len(exp), micro_batch):
         ids = exp.input_ids[start:start + micro_batch].to(device)
         attn = exp.attention_mask[start:start + micro_batch].to(device)
-        logits = model(input_ids=ids, attention_mask=attn).logits
-        out.append(token_logprobs(logits, ids, temperature).cpu())
+        mask = exp.mask[start:start + micro_batch].to(device)
+        out.append(policy_forward(model, ids, attn, mask, temperature, entropy=False)[0].cpu())
     return torch.cat(out)
 
 

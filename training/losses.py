@@ -6,7 +6,9 @@ to [-10, 10], as a loss term), entropy bonus, and a clipped value loss for PPO's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,3 +88,29 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     frac = masked_mean(((clipped - returns) ** 2 > (values - returns) ** 2).float(), mask)
     return 0.5 * masked_mean(losses, mask), float(frac)
+
+
+def policy_forward(forward: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   mask: torch.Tensor, temperature: float = 1.0, entropy: bool = True, entropy_grad: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropies) of shape [B, T], computing logits only from the first agent token on.
+
+    The prompt before the first agent token of the batch is never trained, so its vocabulary projection
+    is skipped (``logits_to_keep``), as TRL does for completions; positions before it are 0. Without an
+    entropy bonus (``entropy_grad`` False) the entropy is computed for the metric only, without a graph.
+    """
+    agent = mask.bool().any(dim=0).nonzero()
+    first = int(agent[0]) if len(agent) else input_ids.shape[1] - 1
+    first = max(first, 1)
+    keep = input_ids.shape[1] - first + 1
+    logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+    logits = logits[:, :-1].float() / temperature
+    # gather - logsumexp: the backward never materialises a full log-softmax (TRL's selective_log_softmax)
+    picked = logits.gather(-1, input_ids[:, first:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logprobs = torch.nn.functional.pad(picked, (first, 0))
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        logp = torch.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)
+    return logprobs, torch.nn.functional.pad(ent, (first, 0))

@@ -43,7 +43,7 @@ from training.critic import ValueModel, explained_variance, sequence_values
 from training.devices import resolve_device
 from training.engine import HFEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
-from training.losses import actor_loss, token_entropy, token_logprobs, value_loss
+from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, write_rollout_log
@@ -259,14 +259,15 @@ class PhaseTrainer:
         for start in range(0, len(mb), cfg.micro_batch_size):
             micro = mb.select(torch.arange(start, min(start + cfg.micro_batch_size, len(mb))))
             ids = micro.input_ids.to(self.device)
-            logits = self.backend.forward(input_ids=ids, attention_mask=micro.attention_mask.to(self.device)).logits
             mask = micro.mask.to(self.device)
+            logprobs, entropy = policy_forward(self.backend.forward, ids, micro.attention_mask.to(self.device), mask,
+                                               cfg.temperature, entropy_grad=cfg.entropy_coef != 0)
             loss = actor_loss(
-                token_logprobs(logits, ids, cfg.temperature), micro.old_logprobs.to(self.device),
+                logprobs, micro.old_logprobs.to(self.device),
                 micro.advantages.to(self.device), mask, clip=cfg.clip,
                 ref_logprobs=None if cfg.kl_in_reward or micro.ref_logprobs is None
                 else micro.ref_logprobs.to(self.device),
-                kl_coef=cfg.kl_coef, entropy=token_entropy(logits, cfg.temperature), entropy_coef=cfg.entropy_coef)
+                kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef)
             share = float(mask.sum() / total_tokens)
             self.backend.backward(loss.loss * share, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
             for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
