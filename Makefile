@@ -23,7 +23,7 @@ check-java:
 	@java -version >/dev/null 2>&1 || { echo "Java (17+) is required for SciWorld: install openjdk-17-jre-headless"; exit 1; }
 
 run: install
-	$(BIN)/scalinginter demo babyai
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env sciworld --profile smoke
 
 test: install
 	$(BIN)/python -m pytest -n 2 --durations=15

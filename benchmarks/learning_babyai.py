@@ -92,12 +92,12 @@ def main() -> None:
     warm = sft(Path(args.model), work / "sft", conversations, SFTConfig(epochs=6, lr=1e-3, batch_size=8))
     print(f"SFT on {len(conversations)} expert episodes ({time.perf_counter() - started:.0f} s)")
     with running_server("babyai") as url:
-        before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24)
+        before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
         config = TrainConfig(batch_items=8, n_samples=4, max_new_tokens=24, lr=args.lr, sub_tasks=["GoTo"],
                              mini_batch_size=16, micro_batch_size=8, log_rollouts=False)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
-        after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24)
+        after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
     for name, result in (("warm start (SFT)", before), (f"after {args.steps} GRPO steps", after)):
         low, high = result.success_ci()
         print(f"{name:>24}: greedy success {result.success_rate:.1%} on {len(test)} held-out GoTo items "

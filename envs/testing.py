@@ -42,6 +42,34 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
         time.sleep(0.1)
 
 
+def start_server(env: str, *, timeout_s: float = 60.0, **options: Any) -> tuple[str, subprocess.Popen]:
+    """Start ``python -m envs.server ENV`` on a free port and wait until healthy: (url, process)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port)]
+    for key, value in options.items():
+        cmd += ["--option", f"{key}={value}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return url, proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (uvicorn shuts down cleanly, closing every instance), then SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def running_server(
     env: str,
@@ -67,9 +95,4 @@ def running_server(
         wait_healthy(url, proc, timeout_s)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)

@@ -311,6 +311,27 @@ def lineage(env: EnvArg) -> None:
         raise typer.Exit(1)
 
 
+@app.command()
+def run(
+    env: Annotated[str, typer.Option(help="environment whose curriculum to train")] = "sciworld",
+    profile: Annotated[str, typer.Option(help="params.yaml profile")] = "smoke",
+) -> None:
+    """The main job: the whole ScalingInter pipeline for ENV as a Prefect flow (embedded API, no server)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from flows.scalinginter_flow import scalinginter
+    from training.config import ConfigError
+
+    _check_env(env)
+    try:
+        result = scalinginter(env=env, profile=profile)
+    except ConfigError as err:
+        _fail(str(err))
+    evaluation = result["evaluation"]
+    console.print(f"[bold]done[/bold]: {len(result['phases'])} phases; final greedy success "
+                  f"{evaluation['success']:.1%} on {evaluation['items']} test items")
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

@@ -76,8 +76,9 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 "params": [{"phases.yaml": [f"{env}.{name}"]}, {"params.yaml": [f"train.{profile}"]}],
                 "outs": [f"{folder}/final", {f"{folder}/intermediate": {"persist": True, "cache": False}},
                          {f"{folder}/rollouts": {"cache": False}}],
-                "metrics": [{f"{folder}/dvclive/metrics.json": {"cache": False}}],
-                "plots": [{f"{folder}/dvclive/plots/metrics": {"cache": False, "x": "step"}}],
+                # persistent: a resumed phase appends to its metrics; a fresh run clears them itself
+                "metrics": [{f"{folder}/dvclive/metrics.json": {"cache": False, "persist": True}}],
+                "plots": [{f"{folder}/dvclive/plots/metrics": {"cache": False, "persist": True, "x": "step"}}],
             }
             parent = f"{folder}/final"
     return out

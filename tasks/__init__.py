@@ -1,3 +1,3 @@
-"""Prefect tasks, kept thin: provision environment servers, run one curriculum phase at fixed h,
-evaluate, version and push artifacts. They call into ``training`` and ``envs`` and hold no algorithm code.
-Nothing lives here yet: the tasks arrive with the orchestration issue."""
+"""Prefect tasks, kept thin: provision environment servers, run one curriculum phase (its DVC stage),
+evaluate, version and push artifacts. They call into ``training``, ``envs`` and DVC's command line and
+hold no algorithm code."""

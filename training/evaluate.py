@@ -54,17 +54,24 @@ class EvalResult:
 
 
 def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
-             temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0) -> EvalResult:
+             temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4
+             ) -> EvalResult:
     """Roll out ``k`` samples per item at turn cap ``h`` and collect success and reward."""
     model, tokenizer = load_policy(model_dir)
     model.eval()
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=8192)
-    result = Rollout(env, url, engine, tokenizer, config).run(item_ids, h)
+    rollout = Rollout(env, url, engine, tokenizer, config)
     success: dict[str, list[bool]] = {i: [] for i in item_ids}
     reward: dict[str, list[float]] = {i: [] for i in item_ids}
-    for t in result.valid:
-        success[t.item_id].append(t.success)
-        reward[t.item_id].append(t.reward)
+    for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
+        result = rollout.run(item_ids[start:start + batch_items], h)
+        errors = [t for t in result.trajectories if not t.valid]
+        if errors:
+            raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
+                               f"(first: {errors[0].error}); evaluation results would be biased")
+        for t in result.trajectories:
+            success[t.item_id].append(t.success)
+            reward[t.item_id].append(t.reward)
     return EvalResult(success, reward)

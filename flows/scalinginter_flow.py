@@ -1,0 +1,69 @@
+"""The ScalingInter pipeline as a Prefect flow: provision -> one task per phase -> evaluate -> version.
+
+    scalinginter run --env sciworld --profile smoke       # on Prefect's embedded API, no server needed
+
+Each phase task runs that phase's DVC stage (``dvc repro <env>_phase_<k>``), so the flow and plain
+``dvc repro`` leave the same lineage; DVC skips phases that are up to date, and an interrupted phase
+resumes from its intra-phase checkpoint. The environment server is provisioned once (with retries and a
+health check) and always torn down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from envs.paths import project_root
+from flows.pipeline import write as write_pipeline
+from tasks.pipeline import evaluate_final, provision_env_server, run_phase, teardown_env_server, version
+from training.config import ConfigError, curriculum_config, load_params
+
+
+def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path) -> str:
+    lines = [f"# scalinginter: {env} ({profile})", "",
+             "| phase | h | steps | ran | reward/mean | success/rate | checkpoint | parent | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['stage']} | {row['h']} | {row['steps']} | {'yes' if row['ran'] else 'up to date'} | "
+                     f"{row['reward']} | {row['success']} | `{row['hash'][:12]}` | `{row['parent'][:12]}` | "
+                     f"{row['wall_seconds']} |")
+    lines += ["", f"Greedy success of the final checkpoint on {evaluation['items']} test items: "
+              f"{evaluation['success']:.1%} (95% CI {evaluation['ci95'][0]:.1%}-{evaluation['ci95'][1]:.1%}).",
+              "", f"Checkpoints, metrics and rollouts: `{report}`"]
+    return "\n".join(lines)
+
+
+@flow(name="scalinginter", log_prints=True)
+def scalinginter(env: str = "sciworld", profile: str = "smoke") -> dict[str, Any]:
+    """Train ``env``'s whole ScalingInter curriculum under ``profile``; return the phase table."""
+    params = load_params()
+    if params["curriculum"].get("profile") != profile:
+        raise ConfigError(f"dvc.yaml is generated for profile {params['curriculum'].get('profile')!r}: set "
+                          f"curriculum.profile: {profile} in params.yaml (then `scalinginter pipeline`)")
+    if env not in params.get("pipeline", {}).get("envs", []):
+        raise ConfigError(f"{env} is not in params.yaml pipeline.envs: add it, then run `scalinginter pipeline`")
+    for path in write_pipeline():
+        print(f"regenerated {path.name} from params.yaml")
+    phases = curriculum_config(env, profile, params).phases()
+    options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
+    url, pid = provision_env_server(env, options)
+    try:
+        rows = []
+        for phase in phases:
+            print(f"phase {phase.index}: h={phase.h}, steps {phase.first_step}..{phase.last_step}")
+            rows.append(run_phase(env, phase.index, url))
+            print(f"{rows[-1]['stage']}: {'trained' if rows[-1]['ran'] else 'up to date'}")
+        final = project_root() / "runs" / env / f"phase-{phases[-1].index}" / "final"
+        evaluation = evaluate_final(env, str(final), url, phases[-1].h)
+    finally:
+        teardown_env_server(pid)
+    print(version(env, f"scalinginter {env} ({profile}): {len(phases)} phases"))
+    report = project_root() / "runs" / env
+    create_markdown_artifact(_markdown(env, profile, rows, evaluation, report), key=f"scalinginter-{env}",
+                             description=f"ScalingInter curriculum of {env}")
+    print(f"checkpoints: {report}/phase-*/final   metrics: {report}/phase-*/dvclive   "
+          f"lineage: scalinginter lineage {env}   evaluation: {report}/eval.json")
+    return {"phases": rows, "evaluation": evaluation}

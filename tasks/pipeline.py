@@ -1,0 +1,89 @@
+"""The ScalingInter pipeline's Prefect tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prefect import task
+
+from envs.paths import project_root
+from envs.splits import load_split
+from envs.testing import start_server, stop_server
+from training.checkpoint import read_manifest
+from training.evaluate import evaluate
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    # dvc and the stages' `scalinginter` live beside this interpreter, activated or not
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    done = subprocess.run(cmd, cwd=project_root(), env={**os.environ, "PATH": path, **(env or {})},
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15])
+def provision_env_server(env: str, options: dict[str, str | int] | None = None) -> tuple[str, int]:
+    """Start the environment server (health-checked); returns (url, pid)."""
+    url, proc = start_server(env, **(options or {}))
+    _servers[proc.pid] = proc
+    return url, proc.pid
+
+
+_servers: dict[int, subprocess.Popen] = {}
+
+
+@task
+def teardown_env_server(pid: int) -> None:
+    """Stop a server started by :func:`provision_env_server`."""
+    proc = _servers.pop(pid, None)
+    if proc is not None:
+        stop_server(proc)
+
+
+@task
+def run_phase(env: str, index: int, url: str) -> dict:
+    """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server."""
+    stage = f"{env}_phase_{index}"
+    output = _run(["dvc", "repro", stage], env={"SCALINGINTER_ENV_URL": url})
+    manifest = read_manifest(project_root() / "runs" / env / f"phase-{index}" / "final")
+    metrics_file = project_root() / "runs" / env / f"phase-{index}" / "dvclive" / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    return {"stage": stage, "ran": f"Running stage '{stage}'" in output, "h": manifest["h"],
+            "steps": manifest["steps"], "hash": manifest["hash"], "parent": manifest["parent"],
+            "reward": metrics.get("reward", {}).get("mean"), "success": metrics.get("success", {}).get("rate"),
+            "wall_seconds": manifest.get("cost", {}).get("wall_seconds")}
+
+
+@task
+def evaluate_final(env: str, checkpoint: str, url: str, h: int, items: int = 8) -> dict:
+    """Greedy success of the final checkpoint on the first test items (the full evaluation is its own stage)."""
+    test = [r["item_id"] for r in load_split(env, "test")[:items]]
+    result = evaluate(Path(checkpoint), env, url, test, h=h)
+    low, high = result.success_ci()
+    out = {"success": result.success_rate, "ci95": [low, high], "avg": result.avg_at_k, "items": len(test)}
+    path = Path(checkpoint).parent.parent / "eval.json"
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+@task
+def version(env: str, message: str) -> str:
+    """Commit the run's lineage (dvc.lock) to git, and push artifacts when a DVC remote is configured."""
+    root = project_root()
+    if not (root / ".git").exists():
+        return "not a git repository: nothing committed"
+    _run(["git", "add", "dvc.lock", "phases.yaml", "dvc.yaml"])
+    staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=root).returncode != 0
+    if staged:
+        _run(["git", "-c", "user.name=scalinginter", "-c", "user.email=pipeline@scalinginter.local", "commit",
+              "-m", message])
+    remotes = _run(["dvc", "remote", "list"]).strip()
+    if remotes:
+        _run(["dvc", "push"])
+    return ("committed" if staged else "lineage unchanged") + (", pushed to the DVC remote" if remotes else "")

@@ -1,0 +1,47 @@
+"""The Prefect flow on the embedded API: the whole smoke curriculum, killed mid-phase and rerun."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_pipeline import _sh, _workspace
+
+
+def _flow_cmd() -> list[str]:
+    return [str(Path(sys.executable).parent / "scalinginter"), "run", "--env", "babyai", "--profile", "smoke"]
+
+
+@pytest.mark.slow
+def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
+    work = _workspace(tmp_path)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200"}
+    proc = subprocess.Popen(_flow_cmd(), cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    target = work / "runs/babyai/phase-1/intermediate/step-000003/manifest.json"  # inside phase 1 (steps 2..3)
+    deadline = time.monotonic() + 600
+    while not target.exists():
+        assert proc.poll() is None, "the flow ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # the flow, its dvc repro and its training process
+    proc.wait()
+    assert not (work / "runs/babyai/phase-1/final").exists()
+    done = subprocess.run(_flow_cmd(), cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "done: 3 phases" in done.stdout
+    log = done.stdout + done.stderr
+    assert "babyai_phase_0: up to date" in log and "babyai_phase_1: trained" in log  # finished phases skipped
+    assert (work / "runs/babyai/eval.json").exists()
+    rows = (work / "runs/babyai/phase-1/dvclive/plots/metrics/reward/mean.tsv").read_text().splitlines()[1:]
+    assert [r.split("\t")[0] for r in rows] == ["2", "3"]  # phase 1 resumed at step 3, logged once each
+    assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
+    history = subprocess.run(["git", "log", "--format=%s"], cwd=work, capture_output=True, text=True).stdout
+    assert "scalinginter babyai (smoke): 3 phases" in history
