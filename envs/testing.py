@@ -42,11 +42,23 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
         time.sleep(0.1)
 
 
-def start_server(env: str, *, timeout_s: float = 60.0, **options: Any) -> tuple[str, subprocess.Popen]:
+def start_server(
+    env: str,
+    *,
+    max_instances: int = 1024,
+    idle_ttl_s: float = 600.0,
+    token: str | None = None,
+    max_body_bytes: int = 64 << 20,
+    timeout_s: float = 60.0,
+    **backend_options: Any,
+) -> tuple[str, subprocess.Popen]:
     """Start ``python -m envs.server ENV`` on a free port and wait until healthy: (url, process)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port)]
-    for key, value in options.items():
+    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port), "--max-instances", str(max_instances),
+           "--idle-ttl", str(idle_ttl_s), "--max-body-bytes", str(max_body_bytes)]
+    if token is not None:
+        cmd += ["--token", token]
+    for key, value in backend_options.items():
         cmd += ["--option", f"{key}={value}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
@@ -71,28 +83,10 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_server(
-    env: str,
-    *,
-    max_instances: int = 1024,
-    idle_ttl_s: float = 600.0,
-    token: str | None = None,
-    max_body_bytes: int = 64 << 20,
-    timeout_s: float = 60.0,
-    **backend_options: Any,
-) -> Iterator[str]:
-    """Run ``python -m envs.server ENV`` on a free port; yield its base URL; always stop it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port), "--max-instances", str(max_instances),
-           "--idle-ttl", str(idle_ttl_s), "--max-body-bytes", str(max_body_bytes)]
-    if token is not None:
-        cmd += ["--token", token]
-    for key, value in backend_options.items():
-        cmd += ["--option", f"{key}={value}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
+def running_server(env: str, **kwargs: Any) -> Iterator[str]:
+    """:func:`start_server` as a context manager: yield the base URL; always stop the server."""
+    url, proc = start_server(env, **kwargs)
     try:
-        wait_healthy(url, proc, timeout_s)
         yield url
     finally:
         stop_server(proc)
