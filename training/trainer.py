@@ -100,6 +100,8 @@ class PhaseTrainer:
                  config: TrainConfig, url: str) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.out_dir = out_dir
+        for folder in ("intermediate", "rollouts"):  # DVC outputs, even for a 1-step phase or without rollout logs
+            (out_dir / folder).mkdir(parents=True, exist_ok=True)
         resume = self._resumable(latest_checkpoint(out_dir / "intermediate"), init_checkpoint)
         source = resume or init_checkpoint
         manifest = read_manifest(source) if (source / MANIFEST).exists() else None  # refuses corrupted files
