@@ -1,6 +1,6 @@
 """Does GRPO learn? BabyAI GoTo levels at small h with the tiny model, warm-started by SFT.
 
-    python benchmarks/learning_babyai.py [--sft-items 160] [--steps 20] [--h 3]
+    python benchmarks/learning_babyai.py [--sft-items 160] [--steps 16] [--lr 3e-4] [--n-samples 8] [--h 3]
 
 1. Warm start: SFT on expert episodes of the training split's GoTo items. The expert here is a
    high-level one (read the goal, take the visible "go to <target>" action, else turn), so episodes are
@@ -75,11 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--sft-items", type=int, default=160)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--h", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--eval-items", type=int, default=100)
-    parser.add_argument("--n-samples", type=int, default=4, help="trajectories per item (the GRPO group)")
+    parser.add_argument("--n-samples", type=int, default=8, help="trajectories per item (the GRPO group)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
