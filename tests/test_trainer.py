@@ -133,3 +133,28 @@ def test_intra_phase_checkpoints_of_a_run_with_other_settings_are_not_resumed(en
     assert manifest["h"] == 2 and manifest["global_step"] == 2 and manifest["phase_first_step"] == 0
     rows = (tmp_path / "dvclive" / "plots" / "metrics" / "curriculum" / "h.tsv").read_text().splitlines()[1:]
     assert [float(r.split("\t")[1]) for r in rows] == [2.0, 2.0]  # both steps were trained at the new h
+
+
+def test_bf16_precision_autocasts_the_forward_and_keeps_float32_weights(env_server, tiny_model_dir,
+                                                                          tiny_policy, tmp_path) -> None:
+    from training.devices import autocast
+    from training.losses import policy_forward
+
+    model, _ = tiny_policy
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 12)
+    mask[:, 6:] = 1
+    with torch.no_grad():
+        exact, _ = policy_forward(model, ids, torch.ones_like(ids), mask, entropy=False)
+        with autocast(torch.device("cpu"), "bf16"):
+            mixed, _ = policy_forward(model, ids, torch.ones_like(ids), mask, entropy=False)
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact)  # bf16 matmuls really ran
+    assert torch.allclose(mixed, exact, atol=0.1)
+    with pytest.raises(ValueError, match="precision must be"):
+        autocast(torch.device("cpu"), "fp16")
+    final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path, url=env_server("babyai"),
+                        config=CONFIG.model_copy(update={"precision": "bf16"}))
+    assert read_manifest(final)["config"]["precision"] == "bf16"
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(final / "model.safetensors").values()} == {torch.float32}

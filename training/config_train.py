@@ -15,6 +15,8 @@ class TrainConfig(BaseModel):
     backend: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (deepspeed backend)")
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N]")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 autocasts the forward passes (weights and optimizer stay float32)")
     seed: int = 0
     # data
     split: str = "train"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -38,3 +39,16 @@ def resolve_device(name: str = "auto") -> torch.device:
 def distributed_backend(device: torch.device) -> str:
     """The torch.distributed backend for a device: nccl (cuda), hccl (npu), gloo (cpu)."""
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
+    """Mixed precision for forward passes: ``bf16`` autocasts matmuls to bfloat16, ``fp32`` changes nothing.
+
+    Weights, gradients and optimizer state stay float32 either way; log-probs are computed in float32
+    from the logits (``policy_forward`` upcasts them).
+    """
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

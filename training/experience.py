@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from training import advantages as adv
+from training.devices import autocast
 from training.losses import policy_forward
 from training.trajectory import Trajectory
 
@@ -62,8 +63,8 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Experience:
 
 
 @torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: float, micro_batch: int = 8
-                      ) -> torch.Tensor:
+def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: float, micro_batch: int = 8,
+                      precision: str = "fp32") -> torch.Tensor:
     """Per-token log-probs of ``exp.input_ids`` under ``model`` (no grad), in micro-batches."""
     device = next(model.parameters()).device
     out = []
@@ -71,7 +72,8 @@ def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: floa
         ids = exp.input_ids[start:start + micro_batch].to(device)
         attn = exp.attention_mask[start:start + micro_batch].to(device)
         mask = exp.mask[start:start + micro_batch].to(device)
-        out.append(policy_forward(model, ids, attn, mask, temperature, entropy=False)[0].cpu())
+        with autocast(device, precision):
+            out.append(policy_forward(model, ids, attn, mask, temperature, entropy=False)[0].cpu())
     return torch.cat(out)
 
 

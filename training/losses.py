@@ -103,7 +103,7 @@ def policy_forward(forward: Callable[..., Any], input_ids: torch.Tensor, attenti
     first = int(agent[0]) if len(agent) else input_ids.shape[1] - 1
     first = max(first, 1)
     keep = input_ids.shape[1] - first + 1
-    logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+    logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False).logits
     logits = logits[:, :-1].float() / temperature
     # gather - logsumexp: the backward never materialises a full log-softmax (TRL's selective_log_softmax)
     picked = logits.gather(-1, input_ids[:, first:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

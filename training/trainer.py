@@ -40,7 +40,7 @@ from training.checkpoint import (
 )
 from training.config_train import TrainConfig
 from training.critic import ValueModel, explained_variance, sequence_values
-from training.devices import resolve_device
+from training.devices import autocast, resolve_device
 from training.engine import HFEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.losses import actor_loss, policy_forward, value_loss
@@ -223,11 +223,12 @@ class PhaseTrainer:
     def prepare(self, exp: Experience) -> Experience:
         cfg = self.config
         if cfg.old_logprobs == "recompute":
-            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size)
+            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size, cfg.precision)
         else:
             exp.old_logprobs = exp.sampler_logprobs
         if self.reference is not None:
-            exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size)
+            exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size,
+                                                  cfg.precision)
             if cfg.kl_in_reward:
                 exp.rewards = exp.rewards - cfg.kl_coef * (exp.old_logprobs - exp.ref_logprobs) * exp.mask
         values = None
@@ -262,8 +263,9 @@ class PhaseTrainer:
             micro = mb.select(torch.arange(start, min(start + cfg.micro_batch_size, len(mb))))
             ids = micro.input_ids.to(self.device)
             mask = micro.mask.to(self.device)
-            logprobs, entropy = policy_forward(self.backend.forward, ids, micro.attention_mask.to(self.device), mask,
-                                               cfg.temperature, entropy_grad=cfg.entropy_coef != 0)
+            with autocast(self.device, cfg.precision):
+                logprobs, entropy = policy_forward(self.backend.forward, ids, micro.attention_mask.to(self.device),
+                                                   mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0)
             loss = actor_loss(
                 logprobs, micro.old_logprobs.to(self.device),
                 micro.advantages.to(self.device), mask, clip=cfg.clip,
@@ -286,7 +288,8 @@ class PhaseTrainer:
         assert self.critic is not None and self.critic_optimizer is not None
         mask = mb.mask.to(self.device)
         returns = mb.returns.to(self.device)
-        values = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device))
+        with autocast(self.device, self.config.precision):
+            values = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device)).float()
         loss, clipfrac = value_loss(values, mb.old_values.to(self.device), returns, mask, self.config.clip)
         self.critic_optimizer.zero_grad(set_to_none=True)
         loss.backward()
