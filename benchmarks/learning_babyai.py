@@ -8,7 +8,8 @@
 2. Greedy evaluation (temperature 0) of the warm start on held-out GoTo items (the test split's, then
    indices >= 900, which no split holds).
 3. GRPO for --steps steps at turn cap h from the warm start; greedy evaluation again.
-Prints success before and after with 95% bootstrap confidence intervals.
+Prints success before and after with 95% bootstrap confidence intervals, and the paired bootstrap
+interval of the change (same items before and after).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from envs.registry import load_backend
 from envs.splits import item_index, load_split
 from envs.testing import running_server
 from training.config_train import TrainConfig
-from training.evaluate import evaluate
+from training.evaluate import evaluate, paired_difference_ci
 from training.sft import SFTConfig, sft
 from training.trainer import train_phase
 
@@ -103,6 +104,9 @@ def main() -> None:
         low, high = result.success_ci()
         print(f"{name:>24}: greedy success {result.success_rate:.1%} on {len(test)} held-out GoTo items "
               f"(95% CI {low:.1%}-{high:.1%})")
+    diff, low, high = paired_difference_ci(before.item_success(), after.item_success())
+    verdict = "significant" if low > 0 else "not significant"
+    print(f"{'change':>24}: {diff:+.1%} (paired bootstrap 95% CI {low:+.1%} to {high:+.1%}: {verdict})")
     print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work}")
     shutil.rmtree(work / "sft", ignore_errors=True)
 

@@ -29,6 +29,20 @@ def bootstrap_ci(values: list[float], resamples: int = 2000, level: float = 0.95
     return float(low), float(high)
 
 
+def paired_difference_ci(before: list[float], after: list[float], resamples: int = 2000, level: float = 0.95,
+                         seed: int = 0) -> tuple[float, float, float]:
+    """(mean difference, low, high): percentile bootstrap of ``after - before`` over paired items.
+
+    Resampling items (not outcomes) keeps each item's before and after together, so the interval reflects
+    the change on the same tasks; an interval above 0 means a significant improvement at ``level``.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired samples differ in length: {len(before)} vs {len(after)}")
+    diff = [b - a for a, b in zip(before, after, strict=True)]
+    low, high = bootstrap_ci(diff, resamples, level, seed)
+    return float(np.mean(diff)) if diff else 0.0, low, high
+
+
 @dataclass
 class EvalResult:
     """Per-item outcomes of an evaluation."""
@@ -43,6 +57,10 @@ class EvalResult:
 
     def success_ci(self) -> tuple[float, float]:
         return bootstrap_ci([float(np.mean(v)) for v in self.success.values()])
+
+    def item_success(self) -> list[float]:
+        """Per-item success rate, in item order (for paired comparisons)."""
+        return [float(np.mean(v)) for v in self.success.values()]
 
     @property
     def avg_at_k(self) -> float:

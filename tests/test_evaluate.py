@@ -1,0 +1,37 @@
+"""Bootstrap intervals used by the evaluation and the learning benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.evaluate import EvalResult, bootstrap_ci, paired_difference_ci
+
+
+def test_bootstrap_ci_brackets_the_mean_and_narrows_with_more_data() -> None:
+    small = [1.0, 0.0] * 10
+    large = [1.0, 0.0] * 500
+    low_s, high_s = bootstrap_ci(small)
+    low_l, high_l = bootstrap_ci(large)
+    assert low_s < 0.5 < high_s and low_l < 0.5 < high_l
+    assert high_l - low_l < (high_s - low_s) / 3
+    assert bootstrap_ci([1.0] * 7) == (1.0, 1.0)
+    assert bootstrap_ci(small, seed=3) == bootstrap_ci(small, seed=3)
+
+
+def test_paired_difference_sees_a_consistent_gain_that_unpaired_intervals_hide() -> None:
+    # 40 items, half hard (never solved) and half easy; training adds 5 solved hard items
+    before = [0.0] * 20 + [1.0] * 20
+    after = [1.0] * 5 + [0.0] * 15 + [1.0] * 20
+    diff, low, high = paired_difference_ci(before, after)
+    assert diff == pytest.approx(5 / 40) and 0 < low <= diff <= high
+    # the same pairs reversed are a significant loss
+    assert paired_difference_ci(after, before)[2] < 0
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_difference_ci([1.0], [1.0, 0.0])
+
+
+def test_eval_result_metrics() -> None:
+    result = EvalResult(success={"a": [True, False], "b": [False, False]}, reward={"a": [1.0, 0.5], "b": [0.0, 0.2]})
+    assert result.success_rate == 0.25 and result.pass_at_k == 0.5
+    assert result.avg_at_k == pytest.approx((0.75 + 0.1) / 2)
+    assert result.item_success() == [0.5, 0.0]
