@@ -311,6 +311,59 @@ def lineage(env: EnvArg) -> None:
         raise typer.Exit(1)
 
 
+@app.command("eval")
+def eval_cmd(
+    env: EnvArg,
+    profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL (default: start one)")] = None,
+) -> None:
+    """Evaluate the base model and every phase checkpoint of ENV: Avg@k, Pass@k, success, per sub-task."""
+    from rich.table import Table
+
+    from flows.evaluation import run_eval
+    from training.config import ConfigError
+
+    _check_env(env)
+    try:
+        result = run_eval(env, profile, url, progress=lambda name: console.print(f"evaluating {name} ..."))
+    except ConfigError as err:
+        _fail(str(err))
+    table = Table("checkpoint", "success", "95% CI", f"Avg@{result['k']}", f"Pass@{result['k']}",
+                  title=f"{env}: {result['items']} test items, k={result['k']}, T={result['temperature']}, "
+                        f"h={result['h']}, seed {result['seed']}")
+    for name, c in result["checkpoints"].items():
+        low, high = c["success_ci95"]
+        table.add_row(name, f"{c['success']:.1%}", f"{low:.1%}-{high:.1%}", f"{c['avg_at_k']:.3f}",
+                      f"{c['pass_at_k']:.1%}")
+    console.print(table)
+    console.print(f"metrics: runs/{env}/eval/metrics.json")
+
+
+@app.command()
+def report(
+    envs: Annotated[list[str] | None, typer.Argument(help="environments (default: every one with results)")] = None,
+    out: Annotated[str | None, typer.Option(help="HTML file (default reports/<env>.html or reports/index.html)")]
+    = None,
+) -> None:
+    """Write the self-contained HTML report: curriculum explorer, Overall bars, curves, lineage, cost."""
+    from pathlib import Path
+
+    from envs.paths import project_root
+    from flows.report import ENV_NAMES, write_report
+
+    root = project_root()
+    if envs:
+        unknown = [e for e in envs if e not in ENV_NAMES]
+        if unknown:
+            _fail(f"unknown environment(s) {', '.join(unknown)}: choose from {', '.join(ENV_NAMES)}")
+    else:
+        envs = [e for e in ENV_NAMES if (root / "runs" / e).exists()]
+    default = f"reports/{envs[0]}.html" if len(envs) == 1 else "reports/index.html"
+    path = write_report(envs, Path(out or default) if out else root / default, root)
+    console.print(f"report: {path}")
+
+
 @app.command()
 def run(
     env: Annotated[str, typer.Option(help="environment whose curriculum to train")] = "sciworld",
@@ -328,8 +381,9 @@ def run(
     except ConfigError as err:
         _fail(str(err))
     evaluation = result["evaluation"]
-    console.print(f"[bold]done[/bold]: {len(result['phases'])} phases; final greedy success "
-                  f"{evaluation['success']:.1%} on {evaluation['items']} test items")
+    success = " -> ".join(f"{name} {c['success']:.0%}" for name, c in evaluation["checkpoints"].items())
+    console.print(f"[bold]done[/bold]: {len(result['phases'])} phases; success on {evaluation['items']} test items "
+                  f"(k={evaluation['k']}): {success}; report {result['report']}")
 
 
 def main() -> None:

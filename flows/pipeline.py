@@ -3,6 +3,9 @@
     scalinginter pipeline            # rewrite phases.yaml and dvc.yaml from params.yaml
     scalinginter pipeline --check    # fail if they disagree with params.yaml and the curriculum function
 
+After the phases, ``<env>_eval`` evaluates the base model and every phase checkpoint (DVC metrics) and
+``<env>_report`` writes ``reports/<env>.html``.
+
 params.yaml is the one source of truth. The phases come from ``training.curriculum`` (its pure
 function), are written to ``phases.yaml`` (each phase's own h, steps, first step, algorithm and seed,
 which its stage lists as params) and to ``dvc.yaml`` (a stage per phase whose deps are the previous
@@ -81,6 +84,21 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 "plots": [{f"{folder}/dvclive/plots/metrics": {"cache": False, "persist": True, "x": "step"}}],
             }
             parent = f"{folder}/final"
+        finals = [f"{phase_dir(env, int(name.split('_')[1]))}/final" for name in phases]
+        out[f"{env}_eval"] = {
+            "cmd": f"scalinginter eval {env} --profile {profile}",
+            "deps": ["models/tiny", *finals, f"data/{env}/test.json", "training/evaluate.py", "training/rollout.py",
+                     "flows/evaluation.py"],
+            "params": [f"eval.{profile}"],
+            "outs": [{f"runs/{env}/eval/per_item.json": {"cache": False}}],
+            "metrics": [{f"runs/{env}/eval/metrics.json": {"cache": False}}],
+        }
+        out[f"{env}_report"] = {
+            "cmd": f"scalinginter report {env}",
+            "deps": [f"runs/{env}/eval/metrics.json", *finals, "flows/report.py", "flows/report_template.html",
+                     "data/paper_results.json"],
+            "outs": [{f"reports/{env}.html": {"cache": False}}],
+        }
     return out
 
 

@@ -1,11 +1,11 @@
-"""The ScalingInter pipeline as a Prefect flow: provision -> one task per phase -> evaluate -> version.
+"""The ScalingInter pipeline as a Prefect flow: provision -> one task per phase -> evaluate -> report -> version.
 
     scalinginter run --env sciworld --profile smoke       # on Prefect's embedded API, no server needed
 
 Each phase task runs that phase's DVC stage (``dvc repro <env>_phase_<k>``), so the flow and plain
 ``dvc repro`` leave the same lineage; DVC skips phases that are up to date, and an interrupted phase
-resumes from its intra-phase checkpoint. The environment server is provisioned once (with retries and a
-health check) and always torn down.
+resumes from its intra-phase checkpoint. Evaluation and the report are DVC stages too. The environment
+server is provisioned once (with retries and a health check) and always torn down.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from envs.paths import project_root
 from flows.pipeline import write as write_pipeline
-from tasks.pipeline import evaluate_final, provision_env_server, run_phase, teardown_env_server, version
+from tasks.pipeline import build_report, evaluate_run, provision_env_server, run_phase, teardown_env_server, version
 from training.config import ConfigError, curriculum_config, load_params
 
 
@@ -30,9 +30,15 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
         lines.append(f"| {row['stage']} | {row['h']} | {row['steps']} | {'yes' if row['ran'] else 'up to date'} | "
                      f"{row['reward']} | {row['success']} | `{row['hash'][:12]}` | `{row['parent'][:12]}` | "
                      f"{row['wall_seconds']} |")
-    lines += ["", f"Greedy success of the final checkpoint on {evaluation['items']} test items: "
-              f"{evaluation['success']:.1%} (95% CI {evaluation['ci95'][0]:.1%}-{evaluation['ci95'][1]:.1%}).",
-              "", f"Checkpoints, metrics and rollouts: `{report}`"]
+    k = evaluation["k"]
+    lines += ["", f"Evaluation on {evaluation['items']} test items (k={k}, T={evaluation['temperature']}, "
+              f"h={evaluation['h']}):", "", f"| checkpoint | success | 95% CI | Avg@{k} | Pass@{k} |",
+              "|---|---|---|---|---|"]
+    for name, c in evaluation["checkpoints"].items():
+        low, high = c["success_ci95"]
+        lines.append(f"| {name} | {c['success']:.1%} | {low:.1%}-{high:.1%} | {c['avg_at_k']:.3f} | "
+                     f"{c['pass_at_k']:.1%} |")
+    lines += ["", f"Report: `{report}`"]
     return "\n".join(lines)
 
 
@@ -56,14 +62,14 @@ def scalinginter(env: str = "sciworld", profile: str = "smoke") -> dict[str, Any
             print(f"phase {phase.index}: h={phase.h}, steps {phase.first_step}..{phase.last_step}")
             rows.append(run_phase(env, phase.index, url))
             print(f"{rows[-1]['stage']}: {'trained' if rows[-1]['ran'] else 'up to date'}")
-        final = project_root() / "runs" / env / f"phase-{phases[-1].index}" / "final"
-        evaluation = evaluate_final(env, str(final), url, phases[-1].h)
+        evaluation = evaluate_run(env, url)
     finally:
         teardown_env_server(pid)
+    report = build_report(env)
     print(version(env, f"scalinginter {env} ({profile}): {len(phases)} phases"))
-    report = project_root() / "runs" / env
+    run = project_root() / "runs" / env
     create_markdown_artifact(_markdown(env, profile, rows, evaluation, report), key=f"scalinginter-{env}",
                              description=f"ScalingInter curriculum of {env}")
-    print(f"checkpoints: {report}/phase-*/final   metrics: {report}/phase-*/dvclive   "
-          f"lineage: scalinginter lineage {env}   evaluation: {report}/eval.json")
-    return {"phases": rows, "evaluation": evaluation}
+    print(f"checkpoints: {run}/phase-*/final\nmetrics:     {run}/phase-*/dvclive (dvc plots show), "
+          f"{run}/eval/metrics.json\nlineage:     scalinginter lineage {env}\nreport:      {report}")
+    return {"phases": rows, "evaluation": evaluation, "report": str(report)}

@@ -11,10 +11,8 @@ from pathlib import Path
 from prefect import task
 
 from envs.paths import project_root
-from envs.splits import load_split
 from envs.testing import start_server, stop_server
 from training.checkpoint import read_manifest
-from training.evaluate import evaluate
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
@@ -61,15 +59,17 @@ def run_phase(env: str, index: int, url: str) -> dict:
 
 
 @task
-def evaluate_final(env: str, checkpoint: str, url: str, h: int, items: int = 8) -> dict:
-    """Greedy success of the final checkpoint on the first test items (the full evaluation is its own stage)."""
-    test = [r["item_id"] for r in load_split(env, "test")[:items]]
-    result = evaluate(Path(checkpoint), env, url, test, h=h)
-    low, high = result.success_ci()
-    out = {"success": result.success_rate, "ci95": [low, high], "avg": result.avg_at_k, "items": len(test)}
-    path = Path(checkpoint).parent.parent / "eval.json"
-    path.write_text(json.dumps(out, indent=1))
-    return out
+def evaluate_run(env: str, url: str) -> dict:
+    """Run (or skip, if up to date) the evaluation stage: base model and every phase checkpoint."""
+    _run(["dvc", "repro", f"{env}_eval"], env={"SCALINGINTER_ENV_URL": url})
+    return json.loads((project_root() / "runs" / env / "eval" / "metrics.json").read_text())
+
+
+@task
+def build_report(env: str) -> Path:
+    """Run (or skip) the report stage; returns the HTML page."""
+    _run(["dvc", "repro", f"{env}_report"])
+    return project_root() / "reports" / f"{env}.html"
 
 
 @task

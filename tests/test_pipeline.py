@@ -3,6 +3,7 @@ what a change invalidates."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -45,14 +46,15 @@ def test_changing_one_phase_changes_only_it_and_later_phases() -> None:
     assert before["phase_1"] != after["phase_1"] and before["phase_2"] != after["phase_2"]
 
 
-def _workspace(tmp_path: Path) -> Path:
-    """A copy of the working tree in its own git repository, with the pipeline on BabyAI's smoke curriculum."""
+def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo") -> Path:
+    """A copy of the working tree in its own git repository, with the pipeline on ``envs``' smoke curricula."""
     ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "cache", "tmp", "__pycache__",
                                     ".pytest_cache",
                                     ".hypothesis", ".ruff_cache", "*.egg-info")
-    work = tmp_path / "repo"
+    work = tmp_path / name
     shutil.copytree(ROOT, work, ignore=ignore)
-    params = (work / "params.yaml").read_text().replace("envs: [sciworld]", "envs: [babyai]")
+    params = re.sub(r"(?m)^  envs: \[[^\]]*\]", f"  envs: [{envs}]", (work / "params.yaml").read_text())
+    assert f"envs: [{envs}]" in params
     (work / "params.yaml").write_text(params)
     _sh(work, "scalinginter", "pipeline")
     for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
@@ -76,8 +78,12 @@ def _ran(output: str) -> list[str]:
 def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_path) -> None:
     work = _workspace(tmp_path)
     first = _sh(work, "dvc", "repro")
-    assert {"build_model", "babyai_phase_0", "babyai_phase_1", "babyai_phase_2"} <= set(_ran(first))
+    assert {"build_model", "babyai_phase_0", "babyai_phase_1", "babyai_phase_2", "babyai_eval",
+            "babyai_report"} <= set(_ran(first))
     assert (work / "runs/babyai/phase-2/final/manifest.json").exists()
+    metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
+    assert list(metrics["checkpoints"]) == ["base", "phase-0", "phase-1", "phase-2"]
+    assert "const DATA = {" in (work / "reports/babyai.html").read_text()
     assert _ran(_sh(work, "dvc", "repro")) == []  # a second repro does nothing
     params = (work / "params.yaml").read_text()
     smoke = "smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}"
@@ -86,7 +92,7 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
                                                      1))
     _sh(work, "scalinginter", "pipeline")
     third = _ran(_sh(work, "dvc", "repro"))
-    assert "babyai_phase_0" not in third and {"babyai_phase_1", "babyai_phase_2"} <= set(third)
+    assert "babyai_phase_0" not in third and {"babyai_phase_1", "babyai_phase_2", "babyai_eval"} <= set(third)
     # lineage: dvc.lock and the checkpoints agree, and each phase's parent is the previous checkpoint
     table = _sh(work, "scalinginter", "lineage", "babyai")
     assert "babyai_phase_2" in table and "disagreement" not in table

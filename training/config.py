@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envs.paths import project_root
 from training.config_train import TrainConfig
@@ -55,3 +55,33 @@ def train_config(env: str, profile: str | None = None, overrides: dict[str, Any]
         return TrainConfig(**{**section, **per_env, **(overrides or {})})
     except ValidationError as err:
         raise ConfigError(f"train.{profile} (env {env}) in params.yaml, with overrides {overrides}: {err}") from err
+
+
+class EvalConfig(BaseModel):
+    """How ``scalinginter eval`` samples: the same for every checkpoint of a run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    items: int | None = Field(None, ge=1, description="first N test items (stratified split order); None: all")
+    k: int = Field(1, ge=1, description="samples per item (Avg@k, Pass@k)")
+    temperature: float = Field(1.0, ge=0, description="0 is greedy (then k must be 1)")
+    max_new_tokens: int = Field(48, ge=1)
+    seed: int = 0
+    batch_items: int = Field(4, ge=1, description="items rolled out at once")
+    h: int | None = Field(None, ge=1, description="turn cap; None: the last curriculum phase's h")
+
+
+def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:
+    """``eval.<profile>`` of params.yaml, then ``eval.<profile>.envs.<env>``."""
+    params = load_params() if params is None else params
+    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
+    section = dict(params.get("eval", {}).get(profile) or {})
+    if not section:
+        raise ConfigError(f"params.yaml has no eval.{profile} section")
+    per_env = (section.pop("envs", None) or {}).get(env, {})
+    try:
+        config = EvalConfig(**{**section, **per_env})
+    except ValidationError as err:
+        raise ConfigError(f"eval.{profile} (env {env}) in params.yaml: {err}") from err
+    if config.temperature == 0 and config.k != 1:
+        raise ConfigError(f"eval.{profile}: temperature 0 (greedy) gives k identical samples; set k: 1")
+    return config

@@ -7,8 +7,10 @@ success criterion. Greedy evaluation is temperature 0 with k = 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -93,3 +95,50 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
             success[t.item_id].append(t.success)
             reward[t.item_id].append(t.reward)
     return EvalResult(success, reward)
+
+
+def _summary(success: list[list[bool]], reward: list[list[float]]) -> dict[str, Any]:
+    """Avg@k, Pass@k and success rate of a set of items, each with its 95% bootstrap CI."""
+    per_item_success = [float(np.mean(s)) for s in success]
+    per_item_reward = [float(np.mean(r)) for r in reward]
+    per_item_pass = [float(any(s)) for s in success]
+    out: dict[str, Any] = {"items": len(success)}
+    for name, values in (("success", per_item_success), ("avg_at_k", per_item_reward), ("pass_at_k", per_item_pass)):
+        low, high = bootstrap_ci(values)
+        out[name] = round(float(np.mean(values)), 6) if values else 0.0
+        out[f"{name}_ci95"] = [round(low, 6), round(high, 6)]
+    return out
+
+
+def summarise(result: EvalResult, sub_tasks: dict[str, str]) -> dict[str, Any]:
+    """Overall and per-sub-task metrics of one evaluation (``sub_tasks`` maps item id to its sub-task)."""
+    items = list(result.success)
+    out = _summary([result.success[i] for i in items], [result.reward[i] for i in items])
+    groups: dict[str, list[str]] = {}
+    for item in items:
+        groups.setdefault(sub_tasks.get(item, "all"), []).append(item)
+    out["sub_tasks"] = {name: _summary([result.success[i] for i in group], [result.reward[i] for i in group])
+                        for name, group in sorted(groups.items())}
+    out["per_item"] = {i: {"success": result.success[i], "reward": result.reward[i]} for i in items}
+    return out
+
+
+def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items: list[dict[str, Any]], h: int,
+                         k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
+                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Evaluate each named checkpoint on the same items with the same seed: the metrics a report shows.
+
+    ``items`` are split records (``item_id`` and ``sub_task``). Every checkpoint sees the same items,
+    samples and seed, so differences between checkpoints are paired and the numbers are reproducible.
+    """
+    sub_tasks = {r["item_id"]: r.get("sub_task", "all") for r in items}
+    ids = [r["item_id"] for r in items]
+    out: dict[str, Any] = {"env": env, "h": h, "k": k, "temperature": temperature, "seed": seed,
+                           "max_new_tokens": max_new_tokens, "items": len(ids), "checkpoints": {}}
+    for name, folder in checkpoints.items():
+        if progress is not None:
+            progress(name)
+        result = evaluate(folder, env, url, ids, h=h, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                          seed=seed, batch_items=batch_items)
+        out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
+    return out

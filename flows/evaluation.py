@@ -1,0 +1,90 @@
+"""``scalinginter eval``: the base model and every phase checkpoint of a run, on the same test items.
+
+Writes ``runs/<env>/eval/metrics.json`` (DVC metrics: Avg@k, Pass@k and success rate with 95% bootstrap
+CIs, overall and per sub-task, for each checkpoint) and ``per_item.json`` (every sample's success and
+reward, for paired comparisons). Sampling settings come from params.yaml ``eval.<profile>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from envs.paths import project_root
+from envs.splits import load_split
+from envs.testing import running_server
+from training.checkpoint import read_manifest
+from training.config import ConfigError, curriculum_config, eval_config, load_params
+from training.evaluate import evaluate_checkpoints
+
+
+def run_dir(env: str, root: Path | None = None) -> Path:
+    return (root or project_root()) / "runs" / env
+
+
+def checkpoints(env: str, profile: str | None = None, root: Path | None = None) -> dict[str, Path]:
+    """``{"base": models/tiny, "phase-0": .../final, ...}``: every checkpoint of the run, in order."""
+    root = root or project_root()
+    phases = curriculum_config(env, profile, load_params(root / "params.yaml")).phases()
+    out = {"base": root / "models" / "tiny"}
+    for phase in phases:
+        out[f"phase-{phase.index}"] = run_dir(env, root) / f"phase-{phase.index}" / "final"
+    missing = [f"{name} ({path})" for name, path in out.items() if not (path / "config.json").exists()]
+    if missing:
+        raise ConfigError(f"checkpoints not found: {', '.join(missing)}; train them first "
+                          f"(`dvc repro {env}_phase_{len(phases) - 1}` or `scalinginter run --env {env}`)")
+    return out
+
+
+def stratified_head(records: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
+    """The first ``n`` records taken round-robin over sub-tasks (every sub-task shows up early); all if None."""
+    if n is None or n >= len(records):
+        return records
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(record.get("sub_task", "all"), []).append(record)
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        for group in groups.values():
+            if group and len(out) < n:
+                out.append(group.pop(0))
+    return out
+
+
+def run_eval(env: str, profile: str | None = None, url: str | None = None, root: Path | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Evaluate every checkpoint of ``env``'s run; write metrics.json and per_item.json; return the metrics."""
+    root = root or project_root()
+    params = load_params(root / "params.yaml")
+    config = eval_config(env, profile, params)
+    h = config.h or curriculum_config(env, profile, params).phases()[-1].h
+    items = stratified_head(load_split(env, "test"), config.items)
+    folders = checkpoints(env, profile, root)
+    options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
+    batch_items = config.batch_items
+    if "max_jvms" in options:  # k live instances per item, each holding one simulator of a bounded pool
+        batch_items = max(1, min(batch_items, int(options["max_jvms"]) // config.k))
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_server(env, **options))
+        result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
+                                      max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                      batch_items=batch_items, progress=progress)
+    for name, folder in folders.items():
+        manifest = folder / "manifest.json"
+        result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
+        result["checkpoints"][name]["path"] = str(folder.relative_to(root))
+    out = run_dir(env, root) / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
+    _write(out / "per_item.json", per_item)
+    _write(out / "metrics.json", result)
+    return result
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
