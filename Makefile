@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: run test install check-java lint bench
+.PHONY: run test install check-java check-browser lint bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,17 @@ install: $(VENV)/.installed check-java
 check-java:
 	@java -version >/dev/null 2>&1 || { echo "Java (17+) is required for SciWorld: install openjdk-17-jre-headless"; exit 1; }
 
+# The report and WebArena tests drive Debian's chromium through Playwright (never `playwright install`).
+CHROMIUM ?= /usr/bin/chromium
+check-browser:
+	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; } || \
+	  { echo "Debian's chromium is needed by the browser tests: sudo apt-get install chromium"; exit 1; }
+
 run: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env sciworld --profile smoke
 
-test: install
+test: install check-browser
 	$(BIN)/python -m pytest -n 2 --durations=15
 
 lint: install
