@@ -217,7 +217,9 @@ def train_phase_cmd(
 ) -> None:
     """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly.
 
-    Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then ``--set``."""
+    Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then SCALINGINTER_DEVICE
+    and SCALINGINTER_TRAIN_SET (space-separated field=value, e.g. from a work pool), then ``--set``.
+    SCALINGINTER_NPROC > 1 relaunches the command under torchrun with that many processes."""
     import contextlib
     import json
     from pathlib import Path
@@ -227,8 +229,20 @@ def train_phase_cmd(
     from training.trainer import train_phase
 
     _check_env(env)
+    nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # one process per device: relaunch under torchrun
+        import subprocess
+        import sys
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "flows.cli", *sys.argv[1:]]
+        raise typer.Exit(subprocess.call(cmd))
     overrides = {}
-    for pair in set_ or []:
+    # a work pool's job variables: SCALINGINTER_TRAIN_SET adds --set pairs, SCALINGINTER_DEVICE the device
+    pairs = os.environ.get("SCALINGINTER_TRAIN_SET", "").split() + list(set_ or [])
+    if os.environ.get("SCALINGINTER_DEVICE"):
+        pairs.insert(0, f"device={os.environ['SCALINGINTER_DEVICE']}")
+    for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             _fail(f"--set {pair!r} must look like field=value")

@@ -52,12 +52,14 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     from training.checkpoint import read_manifest
 
     out = tmp_path / "phase"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29511",
-           "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2", "--init", str(tiny_model_dir),
-           "--out", str(out), "--url", env_server("bandit"), "--set", "backend=deepspeed", "--set", "batch_items=4",
+    # as a GPU work pool would start it: SCALINGINTER_NPROC relaunches under torchrun, the backend comes from
+    # SCALINGINTER_TRAIN_SET (the pool's job variables), the batch from --set
+    cmd = [sys.executable, "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2",
+           "--init", str(tiny_model_dir), "--out", str(out), "--url", env_server("bandit"), "--set", "batch_items=4",
            "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "mini_batch_size=4",
            "--set", "micro_batch_size=2"]
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1", "SCALINGINTER_NPROC": "2",
+           "SCALINGINTER_TRAIN_SET": "backend=deepspeed zero_stage=2", "SCALINGINTER_DEVICE": "cpu"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_manifest(out / "final")  # verifies every file's sha256
