@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--eval-items", type=int, default=100)
     parser.add_argument("--n-samples", type=int, default=8, help="trajectories per item (the GRPO group)")
+    parser.add_argument("--batch-items", type=int, default=8, help="items per GRPO step")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
@@ -95,7 +97,8 @@ def main() -> None:
     print(f"SFT on {len(conversations)} expert episodes ({time.perf_counter() - started:.0f} s)")
     with running_server("babyai") as url:
         before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
-        config = TrainConfig(batch_items=8, n_samples=args.n_samples, max_new_tokens=24, lr=args.lr, sub_tasks=["GoTo"],
+        config = TrainConfig(batch_items=args.batch_items, n_samples=args.n_samples, max_new_tokens=24, lr=args.lr,
+                             temperature=args.temperature, sub_tasks=["GoTo"],
                              mini_batch_size=16, micro_batch_size=8, log_rollouts=False)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from prefect import task
@@ -48,14 +49,16 @@ def teardown_env_server(pid: int) -> None:
 def run_phase(env: str, index: int, url: str) -> dict:
     """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server."""
     stage = f"{env}_phase_{index}"
+    started = time.perf_counter()
     output = _run(["dvc", "repro", stage], env={"SCALINGINTER_ENV_URL": url})
+    seconds = time.perf_counter() - started
     manifest = read_manifest(project_root() / "runs" / env / f"phase-{index}" / "final")
     metrics_file = project_root() / "runs" / env / f"phase-{index}" / "dvclive" / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
     return {"stage": stage, "ran": f"Running stage '{stage}'" in output, "h": manifest["h"],
             "steps": manifest["steps"], "hash": manifest["hash"], "parent": manifest["parent"],
             "reward": metrics.get("reward", {}).get("mean"), "success": metrics.get("success", {}).get("rate"),
-            "wall_seconds": manifest.get("cost", {}).get("wall_seconds")}
+            "wall_seconds": manifest.get("cost", {}).get("wall_seconds"), "stage_seconds": round(seconds, 3)}
 
 
 @task

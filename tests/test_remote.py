@@ -75,3 +75,52 @@ def test_checkpoints_push_to_and_pull_from_s3(s3_server, tmp_path) -> None:
     _sh(work, "dvc", "pull")
     assert read_manifest(work / "runs/babyai/phase-1/final")["hash"] == expected  # every file's sha256 checked
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
+
+
+def _records(work: Path) -> list[tuple]:
+    from flows.lineage import lineage
+
+    records, problems, _ = lineage("babyai", work)
+    assert problems == []
+    return [(r.stage, r.h, r.steps, r.algorithm, r.parent, r.own) for r in records]
+
+
+@pytest.mark.slow
+def test_two_workers_sharing_only_the_s3_remote_leave_the_lineage_of_one_machine(s3_server, tmp_path) -> None:
+    """Worker A trains phase 0 and pushes; worker B, a fresh clone with no files of A's, pulls phase 0 from S3
+    and trains phase 1. The chain equals the one a single machine leaves (checkpoints are bitwise
+    reproducible on CPU), and B does not retrain phase 0."""
+    short = "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 2}"
+
+    def shorten(work: Path) -> None:
+        params = (work / "params.yaml").read_text().replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
+                                                            short, 1)
+        (work / "params.yaml").write_text(params)
+        _sh(work, "scalinginter", "pipeline")
+
+    single = _workspace(tmp_path, name="single")
+    shorten(single)
+    _sh(single, "dvc", "repro", "babyai_phase_1")
+    # worker A: its own working copy; code and dvc.lock travel by git (a bare origin), artifacts by S3 only
+    a = _workspace(tmp_path, name="a")
+    shorten(a)
+    _sh(a, "dvc", "remote", "add", "-d", "s3", "s3://scalinginter/cache")
+    _sh(a, "dvc", "remote", "modify", "s3", "endpointurl", s3_server)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    _sh(a, *git, "commit", "-qam", "pipeline on the S3 remote")
+    _sh(tmp_path, "git", "clone", "-q", "--bare", str(a), str(tmp_path / "origin.git"))
+    _sh(a, "git", "remote", "add", "origin", str(tmp_path / "origin.git"))
+    ran_a = _sh(a, "dvc", "repro", "babyai_phase_0")
+    assert "Running stage 'babyai_phase_0'" in ran_a
+    _sh(a, "dvc", "push")
+    _sh(a, *git, "add", "dvc.lock")
+    _sh(a, *git, "commit", "-qm", "phase 0")
+    _sh(a, "git", "push", "-q", "origin", "HEAD")
+    # worker B: a fresh clone; phase 0's checkpoint (and the base model) come from S3
+    _sh(tmp_path, "git", "clone", "-q", str(tmp_path / "origin.git"), str(tmp_path / "b"))
+    b = tmp_path / "b"
+    _sh(b, "dvc", "pull", "--with-deps", "babyai_phase_0")
+    ran_b = _sh(b, "dvc", "repro", "babyai_phase_1")
+    assert "Running stage 'babyai_phase_1'" in ran_b
+    assert "Running stage 'babyai_phase_0'" not in ran_b and "Running stage 'build_model'" not in ran_b
+    assert _records(b) == _records(single)

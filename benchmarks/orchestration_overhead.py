@@ -1,0 +1,88 @@
+"""Orchestration overhead per phase: Prefect task + ``dvc repro`` + the stage's own process, against calling
+``train_phase`` directly in one warm process.
+
+    python benchmarks/orchestration_overhead.py [--env babyai] [--phases 3]
+
+A scratch working copy (git + DVC) gets a curriculum of --phases one-step phases. After a warm-up (base
+model, splits), the flow trains them (each phase a Prefect task running its DVC stage); then the same
+phases are trained by direct ``train_phase`` calls against one server. Overhead = stage time - direct time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def sh(cwd: Path, *cmd: str) -> None:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True)
+
+
+def workspace(env: str, phases: int) -> Path:
+    work = Path(tempfile.mkdtemp(prefix="overhead-")) / "repo"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "models", "cache", "tmp",
+                                                              "reports", "__pycache__", ".*_cache", "*.egg-info"))
+    params = (work / "params.yaml").read_text()
+    params = re.sub(r"(?m)^  envs: \[[^\]]*\]", f"  envs: [{env}]", params)
+    params = params.replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
+                            f"smoke: {{h1: 2, delta_h: 1, every: 1, total_steps: {phases}}}")
+    (work / "params.yaml").write_text(params)
+    sh(work, "scalinginter", "pipeline")
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=b@b", "-c", "user.name=b", "commit", "-qm", "b"]):
+        sh(work, "git", *args)
+    return work
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--env", default="babyai")
+    parser.add_argument("--phases", type=int, default=3)
+    args = parser.parse_args()
+    work = workspace(args.env, args.phases)
+    os.environ.update(SCALINGINTER_ROOT=str(work), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                      PREFECT_HOME=str(work.parent / "prefect"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                      PATH=f"{BIN}:{os.environ['PATH']}")
+    os.chdir(work)
+    started = time.perf_counter()
+    sh(work, "dvc", "repro", "build_model", f"splits@{args.env}")  # warm-up: not per-phase work
+    print(f"warm-up (base model, splits): {time.perf_counter() - started:.0f} s")
+
+    from envs.testing import running_server
+    from flows.scalinginter_flow import scalinginter
+    from training.config import curriculum_config, train_config
+    from training.trainer import train_phase
+
+    result = scalinginter(env=args.env, profile="smoke")
+    stage = [row["stage_seconds"] for row in result["phases"]]
+    direct = []
+    config = train_config(args.env, "smoke")
+    with running_server(args.env) as url:
+        parent = work / "models" / "tiny"
+        for phase in curriculum_config(args.env, "smoke").phases():
+            t0 = time.perf_counter()
+            out = work.parent / f"direct-{phase.index}"
+            parent = train_phase(args.env, phase.index, phase.h, phase.steps, parent, out, config=config, url=url)
+            direct.append(time.perf_counter() - t0)
+    print(f"{'phase':>6} {'flow stage s':>13} {'direct s':>9} {'overhead s':>11}")
+    for i, (s, d) in enumerate(zip(stage, direct, strict=True)):
+        print(f"{i:>6} {s:>13.2f} {d:>9.2f} {s - d:>11.2f}")
+    overhead = [s - d for s, d in zip(stage, direct, strict=True)]
+    print(f"overhead per phase: median {statistics.median(overhead):.2f} s, mean {statistics.mean(overhead):.2f} s "
+          f"(target <= 5 s)")
+    shutil.rmtree(work.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
