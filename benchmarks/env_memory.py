@@ -45,10 +45,10 @@ def rss_growth_mb(url: str, cycles: int, index_space: int, warmup: int = 300, pr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--env", default="textcraft", choices=["textcraft", "babyai"])
+    parser.add_argument("--env", default="textcraft", choices=["textcraft", "babyai", "deepsearch"])
     parser.add_argument("--cycles", type=int, default=5000)
     args = parser.parse_args()
-    space = 544 if args.env == "textcraft" else 900
+    space = {"textcraft": 544, "babyai": 900, "deepsearch": 2800}[args.env]
     with running_server(args.env) as url:
         result = rss_growth_mb(url, args.cycles, space, progress=True)
     print(f"{args.env}: {args.cycles} reset/close cycles, RSS {result['rss_before_mb']:.1f} -> "

@@ -10,7 +10,7 @@ from envs.base import Backend
 from envs.client import AsyncBaseEnvClient, BaseEnvClient
 
 ENVIRONMENTS: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "webarena", "deepsearch")
-SERVED: tuple[str, ...] = ("babyai", "textcraft", "sciworld")
+SERVED: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "deepsearch")
 #: Environments for testing the machinery itself, served like the others but not part of the paper.
 TESTING: tuple[str, ...] = ("bandit",)
 

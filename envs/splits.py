@@ -26,6 +26,7 @@ SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
     "babyai": (900, 810, 90),
     "textcraft": (None, 374, 100),
     "sciworld": (None, 2120, 200),
+    "deepsearch": (None, 2450, 350),
     "bandit": (None, 48, 16),
 }
 

@@ -15,7 +15,8 @@ from envs.registry import SERVED, UnknownEnvironmentError, async_client_class, c
 @pytest.mark.parametrize("env", SERVED)
 def test_every_client_carries_an_instruction_prompt(env: str) -> None:
     human, gpt = client_class(env).conversation_start
-    assert human["from"] == "human" and "Action" in human["value"] and len(human["value"]) > 200
+    action_format = "<search>" if env == "deepsearch" else "Action"
+    assert human["from"] == "human" and action_format in human["value"] and len(human["value"]) > 200
     assert gpt["from"] == "gpt" and gpt["value"]
     assert async_client_class(env).conversation_start == client_class(env).conversation_start
 

@@ -17,6 +17,12 @@ def _script(env: str, i: int) -> list[str]:
     """A per-episode action script whose observations depend on the episode's own state."""
     if env == "textcraft":
         return [f"get {i % 5 + 1} oak logs", "inventory", f"get {i % 3 + 1} cobblestone", "inventory"]
+    if env == "deepsearch":
+        from envs.deepsearch.world import default_world
+
+        people = list(default_world().people)
+        return [f"<search> {people[(7 * i + k) % len(people)]} born </search>" for k in range(3)] + \
+            [f"<answer> {people[i]} </answer>"]
     rng = random.Random(i)
     return [rng.choice(["turn left", "turn right", "move forward"]) for _ in range(6)]
 
@@ -26,7 +32,7 @@ def _play(env: str, url: str, http: httpx.Client, i: int) -> list[str]:
     try:
         seen = [client.reset(i).observation]
         for action in _script(env, i):
-            out = client.step(f"Thought: step {i}\nAction: {action}")
+            out = client.step(action if env == "deepsearch" else f"Thought: step {i}\nAction: {action}")
             seen.append(out.observation)
             if out.done:
                 break
@@ -35,7 +41,7 @@ def _play(env: str, url: str, http: httpx.Client, i: int) -> list[str]:
         client.close()
 
 
-@pytest.mark.parametrize("env", ["babyai", "textcraft"])
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
 def test_64_concurrent_episodes_do_not_cross_talk(env: str, env_server) -> None:
     url = env_server(env)
     with httpx.Client(base_url=url, timeout=120.0, limits=httpx.Limits(max_connections=EPISODES)) as http:
@@ -47,7 +53,7 @@ def test_64_concurrent_episodes_do_not_cross_talk(env: str, env_server) -> None:
     assert httpx.get(f"{url}/health").json()["instances"] == 0
 
 
-@pytest.mark.parametrize("env", ["babyai", "textcraft", pytest.param("sciworld", marks=pytest.mark.jvm)])
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", pytest.param("sciworld", marks=pytest.mark.jvm)])
 def test_same_data_idx_same_first_observation_under_concurrency(env: str, env_server) -> None:
     url = env_server(env)
     indices = [3, 11, 3, 5, 3, 11, 8, 3] if env != "sciworld" else [3, 40, 3, 3]

@@ -9,7 +9,7 @@ from envs.testing import running_server
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("env", "space"), [("textcraft", 544), ("babyai", 900)])
+@pytest.mark.parametrize(("env", "space"), [("textcraft", 544), ("babyai", 900), ("deepsearch", 2800)])
 def test_reset_close_cycles_do_not_grow_the_server(env: str, space: int) -> None:
     with running_server(env) as url:
         result = rss_growth_mb(url, cycles=1500, index_space=space, warmup=300)

@@ -16,12 +16,13 @@ from envs.client import EnvServerError
 from envs.registry import client_class, expert
 from envs.testing import running_server
 
-ENVS = ["babyai", "textcraft", "sciworld"]
-OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6}
+ENVS = ["babyai", "textcraft", "sciworld", "deepsearch"]
+OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6, "deepsearch": 2800}
 FIELDS = {
     "babyai": {"observation", "reward", "score", "deleted", "done"},
     "textcraft": {"id", "observation", "done", "reward"},
     "sciworld": {"task_name", "var_num", "task_description", "observation", "reward", "score", "deleted", "done"},
+    "deepsearch": {"observation", "reward", "done"},
 }
 
 

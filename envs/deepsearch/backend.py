@@ -1,0 +1,182 @@
+"""Deep Search environment backend: Search-R1 search QA against a retriever server over HTTP.
+
+Actions (already extracted from the model's reply by the client):
+
+* ``<search>query</search>``: the backend asks the retriever for the top-k documents and answers
+  ``<information>Doc 1(Title: t) text\\nDoc 2(...) ...</information>``;
+* ``<answer>text</answer>``: exact match after normalisation (lower case, no punctuation, no articles)
+  against any gold answer. Right: reward 1, success, done. Wrong: reward 0 and the episode goes on, so the
+  agent may retry until the turn cap.
+
+Options: ``retriever_url`` (default: start a retriever subprocess on a free port, stopped with the server
+and killed with it), ``method`` (bm25 | dense) and ``corpus`` for that subprocess, ``topk`` (3), and
+``qa`` (comma-separated FlashRAG parquet files, e.g. ``nq/test.parquet``; the file's parent folder names
+the sub-task; default: the generated world's questions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from envs.base import Backend as BaseBackend
+from envs.base import EnvError, Environment, EpisodeFinishedError, StepResult
+from envs.deepsearch.world import CATEGORIES, Question, default_world, exact_match
+
+SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ACTIONS = ["<search> your query </search>", "<answer> your answer </answer>"]
+FORMAT_HELP = ("Invalid action: write <search> query </search> to search, or <answer> answer </answer> to "
+               "answer.")
+
+
+class RetrieverError(EnvError):
+    """The retriever server failed or is unreachable (a server-side problem, never a silent 0)."""
+
+    status_code = 502
+
+
+def load_flashrag(paths: list[str]) -> list[Question]:
+    """FlashRAG QA parquet files (columns ``question`` and ``golden_answers``) as questions."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise FileNotFoundError(f"QA file {path} not found")
+        table = pq.read_table(path).to_pylist()
+        category = path.parent.name or path.stem
+        for row in table:
+            answers = row.get("golden_answers") or row.get("answers") or []
+            answers = [answers] if isinstance(answers, str) else list(answers)
+            if not answers:
+                raise ValueError(f"{path}: a row without golden_answers: {row.get('question')!r}")
+            out.append(Question(str(row["question"]), tuple(str(a) for a in answers), category, 0))
+    return out
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_retriever(method: str = "bm25", corpus: str = "world", timeout_s: float = 120.0
+                    ) -> tuple[str, subprocess.Popen]:
+    """Start ``python -m envs.deepsearch.retriever`` on a free port; it dies with this process."""
+    from envs.testing import ROOT, free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "envs.deepsearch.retriever", "--method", method, "--corpus", corpus,
+                             "--port", str(port)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=_die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return url, proc
+
+
+class DeepSearchEnv(Environment):
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.question: Question | None = None
+        self.observation = ""
+        self.done = False
+        self.searches = 0
+
+    def reset(self, data_idx: int) -> StepResult:
+        self.question = self.backend.questions[data_idx]
+        self.done, self.searches = False, 0
+        self.observation = f"Question: {self.question.question}"
+        return StepResult(self.observation, info={"category": self.question.category})
+
+    def step(self, action: str) -> StepResult:
+        if self.question is None or self.done:
+            raise EpisodeFinishedError("the episode is finished (or was never reset): POST /reset first")
+        answer = ANSWER.search(action)
+        search = SEARCH.search(action)
+        if search and (not answer or search.start() < answer.start()):
+            query = " ".join(search.group(1).split())
+            if not query:
+                self.observation = "Empty search query: write <search> query </search> with some words."
+            else:
+                self.searches += 1
+                self.observation = self.backend.information(query)
+            return StepResult(self.observation)
+        if answer:
+            if exact_match(answer.group(1), self.question.answers):
+                self.done = True
+                self.observation = "Your answer is correct."
+                return StepResult(self.observation, reward=1.0, score=1.0, done=True, success=True)
+            self.observation = "Your answer is incorrect. You may search again or give another answer."
+            return StepResult(self.observation)
+        self.observation = FORMAT_HELP
+        return StepResult(self.observation)
+
+    def observe(self) -> str:
+        return self.observation
+
+    def available_actions(self) -> list[str]:
+        return list(ACTIONS)
+
+
+class Backend(BaseBackend):
+    name = "deepsearch"
+    id_field = "env_idx"
+
+    def __init__(self, retriever_url: str | None = None, method: str = "bm25", corpus: str = "world",
+                 topk: int | str = 3, qa: str | None = None) -> None:
+        self.topk = int(topk)
+        self.questions = load_flashrag([p for p in qa.split(",") if p]) if qa else default_world().questions
+        self._proc: subprocess.Popen | None = None
+        if retriever_url is None:
+            retriever_url, self._proc = start_retriever(method, corpus)
+        self.retriever_url = retriever_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.retriever_url, timeout=60.0)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.questions)
+
+    def sub_task(self, data_idx: int) -> str:
+        self.check_index(data_idx)
+        return self.questions[data_idx].category
+
+    def new_instance(self) -> DeepSearchEnv:
+        return DeepSearchEnv(self)
+
+    def information(self, query: str) -> str:
+        """The top-k documents for ``query`` in Search-R1's ``<information>`` format."""
+        try:
+            response = self.http.post("/retrieve", json={"queries": [query], "topk": self.topk})
+            response.raise_for_status()
+            hits = response.json()["result"][0]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+            raise RetrieverError(f"retriever at {self.retriever_url} failed: {err}") from err
+        docs = "\n".join(f"Doc {i}(Title: {hit['title']}) {hit['text']}" for i, hit in enumerate(hits, 1))
+        return f"<information>{docs}</information>"
+
+    def shutdown(self) -> None:
+        self.http.close()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+__all__ = ["CATEGORIES", "Backend", "DeepSearchEnv", "load_flashrag", "start_retriever"]
