@@ -27,7 +27,7 @@ def _items(env: str, n: int) -> list[str]:
     return [r["item_id"] for r in load_split(env, "train")[:n]]
 
 
-@pytest.mark.parametrize("env", ["babyai", "textcraft", pytest.param("sciworld", marks=pytest.mark.jvm)])
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", pytest.param("sciworld", marks=pytest.mark.jvm)])
 def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_server, tiny_policy) -> None:
     h = curriculum_config(env, "smoke").phases()[0].h
     url = env_server(env)
@@ -70,7 +70,7 @@ def _script(env: str, item: str, chat: ChatFormat) -> tuple[tuple[int, ...], lis
     return tuple(chat.encode(chat.render(messages, generation_prompt=True))), replies, reward
 
 
-@pytest.mark.parametrize("env", ["textcraft", "babyai"])
+@pytest.mark.parametrize("env", ["textcraft", "babyai", "deepsearch"])
 def test_expert_replayed_through_the_rollout_reaches_the_experts_reward(env: str, env_server, tiny_policy) -> None:
     tokenizer = tiny_policy[1]
     chat = ChatFormat(tokenizer)
