@@ -10,7 +10,7 @@ from envs.base import Backend
 from envs.client import AsyncBaseEnvClient, BaseEnvClient
 
 ENVIRONMENTS: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "webarena", "deepsearch")
-SERVED: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "deepsearch")
+SERVED: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "deepsearch", "webarena")
 #: Environments for testing the machinery itself, served like the others but not part of the paper.
 TESTING: tuple[str, ...] = ("bandit",)
 

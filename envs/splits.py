@@ -27,6 +27,7 @@ SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
     "textcraft": (None, 374, 100),
     "sciworld": (None, 2120, 200),
     "deepsearch": (None, 2450, 350),
+    "webarena": (None, 21, 12),
     "bandit": (None, 48, 16),
 }
 

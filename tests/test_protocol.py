@@ -16,13 +16,14 @@ from envs.client import EnvServerError
 from envs.registry import client_class, expert
 from envs.testing import running_server
 
-ENVS = ["babyai", "textcraft", "sciworld", "deepsearch"]
-OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6, "deepsearch": 2800}
+ENVS = ["babyai", "textcraft", "sciworld", "deepsearch", "webarena"]
+OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6, "deepsearch": 2800, "webarena": 33}
 FIELDS = {
     "babyai": {"observation", "reward", "score", "deleted", "done"},
     "textcraft": {"id", "observation", "done", "reward"},
     "sciworld": {"task_name", "var_num", "task_description", "observation", "reward", "score", "deleted", "done"},
     "deepsearch": {"observation", "reward", "done"},
+    "webarena": {"observation", "reward", "done", "sites", "object"},
 }
 
 
@@ -30,6 +31,8 @@ FIELDS = {
 def env(request: pytest.FixtureRequest) -> str:
     if request.param == "sciworld":
         request.applymarker(pytest.mark.jvm)
+    if request.param == "webarena":
+        request.applymarker(pytest.mark.browser)
     return request.param
 
 

@@ -27,7 +27,8 @@ def _items(env: str, n: int) -> list[str]:
     return [r["item_id"] for r in load_split(env, "train")[:n]]
 
 
-@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", pytest.param("sciworld", marks=pytest.mark.jvm)])
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", pytest.param("sciworld", marks=pytest.mark.jvm),
+                                 pytest.param("webarena", marks=pytest.mark.browser)])
 def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_server, tiny_policy) -> None:
     h = curriculum_config(env, "smoke").phases()[0].h
     url = env_server(env)

@@ -1,0 +1,370 @@
+"""WebArena environment backend: a real headless Chromium (Playwright) on WebArena-format tasks.
+
+Observation: the objective, the URL, the previous action, the open tabs and the page's accessibility
+tree with element ids. Actions: WebArena's grammar (``envs.webarena.browser.parse_action``); ``stop
+[answer]`` ends the episode and runs the task's evaluators (``envs.webarena.evaluators``).
+
+Sites: task configs name them by WebArena's placeholders (``__SHOPPING__``, ``__REDDIT__``, ``__GITLAB__``,
+``__SHOPPING_ADMIN__``, ``__MAP__``, ``__WIKIPEDIA__``), replaced by the backend options ``shopping``,
+``reddit``, ... (the real sites' URLs). Without them, the shop and forum shipped in ``envs.webarena.site``
+are started on a free port and serve ``__SHOPPING__`` and ``__REDDIT__``; each episode gets its own
+sandbox of their state, reset at the start of the episode.
+
+Options: ``tasks`` (a WebArena JSON file or a folder of them; default ``data/webarena/tasks.json``),
+``chromium`` (executable, default ``/usr/bin/chromium``), ``max_contexts`` (live episodes, each one
+browser context; more is 503), ``memory_limit_mb`` (the browser's resident memory above which new episodes
+are refused with 503), ``judge_url`` (an OpenAI-compatible endpoint for ``fuzzy_match``), ``max_obs_chars``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from envs.base import Backend as BaseBackend
+from envs.base import CapacityError, EnvError, Environment, EpisodeFinishedError, StepResult
+from envs.paths import project_root
+from envs.webarena.browser import Action, ActionError, BrowserThread, ax_tree, element_center, parse_action
+from envs.webarena.evaluators import EvaluatorConfigError, evaluate
+
+PLACEHOLDERS = ("__SHOPPING_ADMIN__", "__SHOPPING__", "__REDDIT__", "__GITLAB__", "__MAP__", "__WIKIPEDIA__")
+ACTIONS = ["click [id]", "type [id] [text] [press_enter_after=0|1]", "hover [id]", "press [key_comb]",
+           "scroll [up|down]", "new_tab", "tab_focus [tab_index]", "close_tab", "goto [url]", "go_back",
+           "go_forward", "stop [answer]"]
+
+
+class EvaluationError(EnvError):
+    """The task's evaluators cannot run (configuration); a server-side problem, never a silent 0."""
+
+    status_code = 500
+
+
+def load_tasks(source: str | Path) -> list[dict[str, Any]]:
+    """WebArena task configs: one JSON file holding a list, or a folder of ``<task_id>.json`` files."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"), key=lambda p: (len(p.stem), p.stem))
+        tasks = [json.loads(f.read_text()) for f in files]
+    elif path.exists():
+        data = json.loads(path.read_text())
+        tasks = data if isinstance(data, list) else [data]
+    else:
+        raise FileNotFoundError(f"WebArena tasks {path} not found: pass a JSON file or a folder of them")
+    for task in tasks:
+        missing = {"intent", "start_url", "eval"} - set(task)
+        if missing:
+            raise ValueError(f"task {task.get('task_id')} in {path} lacks {sorted(missing)}")
+    return tasks
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def start_sites(timeout_s: float = 60.0) -> tuple[str, subprocess.Popen]:
+    """Start the shipped shop and forum on a free port; they die with this process."""
+    from envs.testing import ROOT, free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "envs.webarena.site", "--port", str(port)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return url, proc
+
+
+def _substitute(value: Any, sites: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        for key in PLACEHOLDERS:
+            if key in value and key in sites:
+                value = value.replace(key, sites[key])
+        return value
+    if isinstance(value, list):
+        return [_substitute(v, sites) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, sites) for k, v in value.items()}
+    return value
+
+
+class WebArenaEnv(Environment):
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.context: Any = None
+        self.pages: list[Any] = []
+        self.active = 0
+        self.cdp: Any = None
+        self.task: dict[str, Any] | None = None
+        self.sandbox = uuid.uuid4().hex
+        self.previous = "None"
+        self.done = False
+        self.observation = ""
+        self.page_observation = ""  # the page as last seen (observation = that, or an error message before it)
+        self.ids: set[int] = set()
+
+    # -- everything below named _b_* runs on the browser thread --
+    def _b_open(self) -> None:
+        self.context = self.backend.browser.browser.new_context(viewport={"width": 1280, "height": 720})
+        self.context.set_default_timeout(self.backend.step_timeout_ms)
+        cookies = [{"name": "sandbox", "value": self.sandbox, "url": url} for url in self.backend.local_sites]
+        if cookies:
+            self.context.add_cookies(cookies)
+
+    def _b_page(self) -> Any:
+        return self.pages[self.active]
+
+    def _b_focus(self, index: int) -> None:
+        self.active = index
+        page = self.pages[index]
+        page.bring_to_front()
+        self.cdp = self.context.new_cdp_session(page)
+
+    def _b_observe(self) -> str:
+        page = self._b_page()
+        with contextlib.suppress(Exception):
+            page.wait_for_load_state("load", timeout=self.backend.step_timeout_ms)
+        tree, self.ids = ax_tree(self.cdp)
+        limit = self.backend.max_obs_chars
+        if len(tree) > limit:
+            tree = tree[:limit] + "\n... (page truncated: scroll down or use other actions)"
+        tabs = " | ".join(f"Tab {i}{' (current)' if i == self.active else ''}: {p.title()}"
+                          for i, p in enumerate(self.pages))
+        assert self.task is not None
+        return (f"OBJECTIVE: {self.task['intent']}\nURL: {page.url}\nPREVIOUS ACTION: {self.previous}\n"
+                f"TABS: {tabs}\nOBSERVATION:\n{tree}")
+
+    def _b_reset(self, task: dict[str, Any]) -> str:
+        if self.context is not None:
+            self.context.close()
+        self._b_open()
+        self.pages = [self.context.new_page()]
+        self._b_focus(0)
+        self.pages[0].goto(task["start_url"])
+        return self._b_observe()
+
+    def _b_act(self, action: Action) -> None:
+        page = self._b_page()
+        if action.kind in {"click", "hover", "type"}:
+            if action.element not in self.ids:
+                raise ActionError(f"there is no element [{action.element}] on this page")
+            x, y = element_center(self.cdp, action.element)
+            if action.kind == "hover":
+                page.mouse.move(x, y)
+                return
+            page.mouse.click(x, y)
+            if action.kind == "type":
+                page.keyboard.press("Control+A")
+                page.keyboard.type(action.text)
+                if action.flag:
+                    page.keyboard.press("Enter")
+        elif action.kind == "press":
+            page.keyboard.press(action.text)
+        elif action.kind == "scroll":
+            page.mouse.wheel(0, 600 if action.text == "down" else -600)
+        elif action.kind == "new_tab":
+            self.pages.append(self.context.new_page())
+            self._b_focus(len(self.pages) - 1)
+        elif action.kind == "tab_focus":
+            if not 0 <= (action.element or 0) < len(self.pages):
+                raise ActionError(f"there is no tab {action.element}: tabs 0..{len(self.pages) - 1}")
+            self._b_focus(action.element or 0)
+        elif action.kind == "close_tab":
+            if len(self.pages) == 1:
+                raise ActionError("the last tab cannot be closed")
+            self.pages.pop(self.active).close()
+            self._b_focus(len(self.pages) - 1)
+        elif action.kind == "goto":
+            page.goto(action.text)
+        elif action.kind == "go_back":
+            page.go_back()
+        elif action.kind == "go_forward":
+            page.go_forward()
+
+    def _b_read(self, url: str, locator: str) -> str:
+        if url == "last":
+            page, temporary = self._b_page(), False
+        else:
+            page, temporary = self.context.new_page(), True
+            page.goto(url)
+        try:
+            value = page.evaluate(f"() => {locator}") if locator else page.inner_text("body")
+            return "" if value is None else str(value)
+        finally:
+            if temporary:
+                page.close()
+
+    def _b_close(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+
+    # -- the Environment interface (server threads) --
+    def reset(self, data_idx: int) -> StepResult:
+        self.backend.check_memory()
+        self.backend.reset_sandbox(self.sandbox)
+        self.task = self.backend.tasks[data_idx]
+        self.previous, self.done = "None", False
+        self.page_observation = self.observation = self.backend.browser.call(self._b_reset, self.task)
+        return StepResult(self.observation, info={"sites": self.task.get("sites", []), "object": self.task["intent"]})
+
+    def step(self, action_text: str) -> StepResult:
+        if self.task is None or self.done:
+            raise EpisodeFinishedError("the episode is finished (or was never reset): POST /reset first")
+        try:
+            action = parse_action(action_text)
+        except ActionError as err:
+            self.observation = f"{err}\n\n{self.page_observation}"
+            return StepResult(self.observation, info={"terminated": False, "truncated": False})
+        self.previous = action_text.strip().splitlines()[0]
+        if action.kind == "stop":
+            return self._finish(action.text)
+        try:
+            self.page_observation = self.observation = self.backend.browser.call(self._act_and_observe, action)
+        except ActionError as err:
+            self.observation = f"Action failed: {err}\n\n{self.page_observation}"
+        return StepResult(self.observation, info={"terminated": False, "truncated": False})
+
+    def _act_and_observe(self, action: Action) -> str:
+        try:
+            self._b_act(action)
+            if action.kind in {"click", "type", "press"}:  # a navigation it starts begins a moment later
+                self._b_page().wait_for_timeout(150)
+        except ActionError:
+            raise
+        except Exception as err:  # a navigation timeout or a closed target: tell the agent, keep the episode
+            raise ActionError(f"{action.kind} did not complete: {str(err).splitlines()[0]}") from err
+        return self._b_observe()
+
+    def _finish(self, answer: str) -> StepResult:
+        assert self.task is not None
+        final_url = self.backend.browser.call(lambda: self._b_page().url)
+        try:
+            score = evaluate(self.task, answer, final_url,
+                             lambda url, locator: self.backend.browser.call(self._b_read, url, locator),
+                             self.backend.judge_url)
+        except EvaluatorConfigError as err:
+            raise EvaluationError(str(err)) from err
+        self.done = True
+        self.observation = f"The task is finished. Answer: {answer}"
+        return StepResult(self.observation, reward=score, score=score, done=True, success=score >= 1.0,
+                          info={"terminated": True, "truncated": False, "url": final_url})
+
+    def observe(self) -> str:
+        return self.observation
+
+    def available_actions(self) -> list[str]:
+        return list(ACTIONS)
+
+    def close(self) -> None:
+        try:
+            self.backend.browser.call(self._b_close)
+        finally:
+            self.backend.release(self.sandbox)
+
+
+class Backend(BaseBackend):
+    name = "webarena"
+    id_field = "env_idx"
+
+    def __init__(self, tasks: str | None = None, chromium: str = "/usr/bin/chromium", max_contexts: int | str = 8,
+                 memory_limit_mb: float | str = 4096, judge_url: str | None = None, max_obs_chars: int | str = 12000,
+                 step_timeout_s: float | str = 20, **sites: str) -> None:
+        if not Path(chromium).exists():
+            raise FileNotFoundError(f"chromium not found at {chromium}: install Debian's chromium "
+                                    "(apt-get install chromium) or pass the option chromium=PATH")
+        self.tasks_source = tasks or str(project_root() / "data" / "webarena" / "tasks.json")
+        raw = load_tasks(self.tasks_source)
+        self.max_contexts, self.memory_limit_mb = int(max_contexts), float(memory_limit_mb)
+        self.judge_url, self.max_obs_chars = judge_url, int(max_obs_chars)
+        self.step_timeout_ms = float(step_timeout_s) * 1000
+        known = {k.strip("_").lower(): k for k in PLACEHOLDERS}
+        unknown = set(sites) - set(known)
+        if unknown:
+            raise ValueError(f"unknown webarena options {sorted(unknown)}: sites are {sorted(known)}")
+        urls = {known[k]: v.rstrip("/") for k, v in sites.items()}
+        self._sites_proc: subprocess.Popen | None = None
+        self.local_sites: list[str] = []
+        needed = {p for p in PLACEHOLDERS if p in json.dumps(raw)}
+        if needed & {"__SHOPPING__", "__REDDIT__"} - set(urls):
+            base, self._sites_proc = start_sites()
+            self.local_sites = [base]
+            urls.setdefault("__SHOPPING__", f"{base}/shop")
+            urls.setdefault("__REDDIT__", f"{base}/forum")
+        missing = needed - set(urls)
+        if missing:
+            raise ValueError(f"tasks need the sites {sorted(missing)}: pass their URLs as options "
+                             f"({', '.join(m.strip('_').lower() + '=URL' for m in sorted(missing))})")
+        self.tasks = [_substitute(t, urls) for t in raw]
+        self.http = httpx.Client(timeout=30.0)
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+        self.browser = BrowserThread(chromium)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.tasks)
+
+    def sub_task(self, data_idx: int) -> str:
+        self.check_index(data_idx)
+        task = self.tasks[data_idx]
+        return task.get("category") or "+".join(task.get("sites", [])) or "web"
+
+    def new_instance(self) -> WebArenaEnv:
+        return WebArenaEnv(self)
+
+    def check_memory(self) -> None:
+        pid = self.browser.call(self.browser.pid)
+        if pid is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+            if rss > self.memory_limit_mb:
+                raise CapacityError(f"the browser uses {rss:.0f} MB, over memory_limit_mb={self.memory_limit_mb:.0f}:"
+                                    " close finished episodes or raise the limit")
+
+    def reset_sandbox(self, sandbox: str) -> None:
+        with self._lock:
+            if sandbox not in self._live and len(self._live) >= self.max_contexts:
+                raise CapacityError(f"all {self.max_contexts} browser contexts are in use: close finished instances "
+                                    "or start the server with a larger max_contexts")
+            self._live.add(sandbox)
+        for base in self.local_sites:
+            self.http.post(f"{base}/__sandbox/{sandbox}/reset").raise_for_status()
+
+    def release(self, sandbox: str) -> None:
+        with self._lock:
+            self._live.discard(sandbox)
+        for base in self.local_sites:
+            with contextlib.suppress(httpx.HTTPError):
+                self.http.delete(f"{base}/__sandbox/{sandbox}")
+
+    def shutdown(self) -> None:
+        try:
+            self.browser.stop()
+        finally:
+            self.http.close()
+            if self._sites_proc is not None and self._sites_proc.poll() is None:
+                self._sites_proc.terminate()
+                try:
+                    self._sites_proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._sites_proc.kill()
+                    self._sites_proc.wait()

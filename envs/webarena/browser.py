@@ -1,0 +1,174 @@
+"""A real headless Chromium driven by Playwright: accessibility-tree observations and WebArena's actions.
+
+Playwright's sync API is bound to the thread that started it, while the environment server steps
+instances from a thread pool; every browser call therefore runs on one dedicated thread
+(:class:`BrowserThread`). Debian's chromium is used through ``executable_path``: no browser download.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+SKIP_ROLES = {"generic", "none", "InlineTextBox", "LineBreak", "paragraph", "list", "group", "main",
+              "navigation", "Section", "ListMarker"}
+T = TypeVar("T")
+
+
+class ActionError(ValueError):
+    """An action the agent wrote is malformed or names no element; the message goes back to the agent."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    element: int | None = None
+    text: str = ""
+    flag: bool = True
+
+
+_ACTION = re.compile(r"^\s*(click|type|hover|press|scroll|new_tab|tab_focus|close_tab|goto|go_back|go_forward|stop)"
+                     r"\s*(.*)$", re.DOTALL)
+_ARG = re.compile(r"\[(.*?)\]", re.DOTALL)
+
+
+def parse_action(text: str) -> Action:
+    """WebArena's action grammar, e.g. ``click [12]``, ``type [7] [laptop] [1]``, ``stop [42]``."""
+    match = _ACTION.match(text.strip().splitlines()[0] if text.strip() else "")
+    if match is None:
+        raise ActionError("Invalid action. Use one of: click [id], type [id] [text] [press_enter_after=0|1], "
+                          "hover [id], press [key_comb], scroll [up|down], new_tab, tab_focus [tab_index], "
+                          "close_tab, goto [url], go_back, go_forward, stop [answer].")
+    kind, rest = match.group(1), match.group(2)
+    args = _ARG.findall(rest)
+    if kind in {"click", "hover", "type"}:
+        if not args or not args[0].strip().isdigit():
+            raise ActionError(f"{kind} needs an element id in brackets, e.g. {kind} [12]")
+        if kind == "type":
+            if len(args) < 2:
+                raise ActionError("type needs an element id and the text: type [id] [text] [press_enter_after=0|1]")
+            flag = args[2].strip() != "0" if len(args) > 2 else True
+            return Action(kind, int(args[0]), args[1], flag)
+        return Action(kind, int(args[0]))
+    if kind in {"press", "goto"}:
+        if not args or not args[0].strip():
+            raise ActionError(f"{kind} needs an argument in brackets, e.g. " +
+                              ("press [Enter]" if kind == "press" else "goto [http://...]"))
+        return Action(kind, text=args[0].strip())
+    if kind == "scroll":
+        direction = (args[0] if args else rest).strip().lower()
+        if direction not in {"up", "down"}:
+            raise ActionError("scroll needs a direction: scroll [up] or scroll [down]")
+        return Action(kind, text=direction)
+    if kind == "tab_focus":
+        if not args or not args[0].strip().isdigit():
+            raise ActionError("tab_focus needs a tab index, e.g. tab_focus [0]")
+        return Action(kind, int(args[0]))
+    if kind == "stop":
+        return Action(kind, text=args[0].strip() if args else rest.strip())
+    return Action(kind)
+
+
+class BrowserThread:
+    """One Chromium, one Playwright, one thread; ``call`` runs a function there and returns its result."""
+
+    def __init__(self, executable_path: str, headless: bool = True) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="playwright")
+        self.executable_path = executable_path
+        self.call(self._start, headless)
+
+    def _start(self, headless: bool) -> None:
+        from playwright.sync_api import sync_playwright
+
+        self.playwright = sync_playwright().start()
+        try:
+            self.browser = self.playwright.chromium.launch(executable_path=self.executable_path, args=FLAGS,
+                                                           headless=headless)
+        except Exception:
+            self.playwright.stop()
+            raise
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._pool.submit(fn, *args).result()
+
+    def pid(self) -> int | None:
+        proc = getattr(self.browser, "_impl_obj", None)
+        return getattr(getattr(proc, "_browser_process", None), "pid", None) if proc else None
+
+    def stop(self) -> None:
+        def _stop() -> None:
+            try:
+                self.browser.close()
+            finally:
+                self.playwright.stop()
+
+        try:
+            self.call(_stop)
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def ax_tree(cdp: Any) -> tuple[str, set[int]]:
+    """The page's accessibility tree as WebArena-style text lines ``[id] role 'name'``, and the ids shown.
+
+    Ids are DOM backend node ids (stable while the page lives). Nodes without meaning of their own
+    (generic containers, ignored nodes) are skipped but their children kept.
+    """
+    cdp.send("DOM.getDocument", {"depth": 0})
+    nodes = cdp.send("Accessibility.getFullAXTree")["nodes"]
+    by_id = {n["nodeId"]: n for n in nodes}
+    lines: list[str] = []
+    ids: set[int] = set()
+
+    def visit(node: dict[str, Any], depth: int) -> None:
+        role = node.get("role", {}).get("value", "")
+        name = str(node.get("name", {}).get("value", "") or "").strip()
+        shown = not node.get("ignored") and role not in SKIP_ROLES and not (role == "StaticText" and not name)
+        if role == "StaticText" and lines and lines[-1].strip().endswith(repr(name)):
+            shown = False  # a link's or heading's own text, already in its name
+        backend = node.get("backendDOMNodeId")
+        if shown and backend is not None:
+            props = []
+            for prop in node.get("properties", []):
+                if prop.get("name") in {"focused", "required", "checked", "selected", "expanded", "disabled"} and \
+                        prop.get("value", {}).get("value"):
+                    props.append(f"{prop['name']}: True")
+            value = node.get("value", {}).get("value")
+            if value not in (None, ""):
+                props.append(f"value: {value!r}")
+            lines.append("\t" * depth + f"[{backend}] {role} {name!r}" + (" " + " ".join(props) if props else ""))
+            ids.add(int(backend))
+        for child in node.get("childIds", []):
+            if child in by_id:
+                visit(by_id[child], depth + (1 if shown else 0))
+
+    roots = [n for n in nodes if "parentId" not in n]
+    for root in roots:
+        visit(root, 0)
+    return "\n".join(lines), ids
+
+
+CENTER = """function() {
+  const el = this.nodeType === 3 ? this.parentElement : this;
+  el.scrollIntoView({block: 'center', inline: 'center'});
+  const r = el.getBoundingClientRect();
+  return [r.left + r.width / 2, r.top + r.height / 2, r.width * r.height];
+}"""
+
+
+def element_center(cdp: Any, backend_id: int) -> tuple[float, float]:
+    """Viewport coordinates of the element's centre (scrolled into view); ActionError if it has none."""
+    try:
+        obj = cdp.send("DOM.resolveNode", {"backendNodeId": backend_id})["object"]
+        box = cdp.send("Runtime.callFunctionOn", {"objectId": obj["objectId"], "functionDeclaration": CENTER,
+                                                  "returnByValue": True})["result"]["value"]
+    except Exception as err:  # the CDP error says the node is gone
+        raise ActionError(f"element [{backend_id}] is not on the page any more") from err
+    if not box or box[2] <= 0:
+        raise ActionError(f"element [{backend_id}] is not visible")
+    return float(box[0]), float(box[1])
