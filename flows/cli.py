@@ -331,6 +331,7 @@ def eval_cmd(
     profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL (default: start one)")] = None,
+    baseline: Annotated[int | None, typer.Option(help="evaluate the fixed-h baseline run with this h")] = None,
 ) -> None:
     """Evaluate the base model and every phase checkpoint of ENV: Avg@k, Pass@k, success, per sub-task."""
     from rich.table import Table
@@ -340,7 +341,8 @@ def eval_cmd(
 
     _check_env(env)
     try:
-        result = run_eval(env, profile, url, progress=lambda name: console.print(f"evaluating {name} ..."))
+        result = run_eval(env, profile, url, progress=lambda name: console.print(f"evaluating {name} ..."),
+                          baseline=baseline)
     except ConfigError as err:
         _fail(str(err))
     table = Table("checkpoint", "success", "95% CI", f"Avg@{result['k']}", f"Pass@{result['k']}",
@@ -351,7 +353,7 @@ def eval_cmd(
         table.add_row(name, f"{c['success']:.1%}", f"{low:.1%}-{high:.1%}", f"{c['avg_at_k']:.3f}",
                       f"{c['pass_at_k']:.1%}")
     console.print(table)
-    console.print(f"metrics: runs/{env}/eval/metrics.json")
+    console.print(f"metrics: runs/{env}{'' if baseline is None else f'-fixed-h{baseline}'}/eval/metrics.json")
 
 
 @app.command()

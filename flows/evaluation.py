@@ -25,17 +25,29 @@ def run_dir(env: str, root: Path | None = None) -> Path:
     return (root or project_root()) / "runs" / env
 
 
-def checkpoints(env: str, profile: str | None = None, root: Path | None = None) -> dict[str, Path]:
-    """``{"base": models/tiny, "phase-0": .../final, ...}``: every checkpoint of the run, in order."""
+def baseline_dir(env: str, h: int, root: Path | None = None) -> Path:
+    """The fixed-h baseline run of ``env`` (one phase at ``h`` for the curriculum's total steps)."""
+    return (root or project_root()) / "runs" / f"{env}-fixed-h{h}"
+
+
+def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
+                ) -> dict[str, Path]:
+    """``{"base": models/tiny, "phase-0": .../final, ...}``: every checkpoint of the run, in order
+    (of the fixed-h baseline run when ``baseline`` is its h)."""
     root = root or project_root()
     phases = curriculum_config(env, profile, load_params(root / "params.yaml")).phases()
     out = {"base": root / "models" / "tiny"}
-    for phase in phases:
-        out[f"phase-{phase.index}"] = run_dir(env, root) / f"phase-{phase.index}" / "final"
+    if baseline is not None:
+        out[f"fixed-h{baseline}"] = baseline_dir(env, baseline, root) / "phase-0" / "final"
+        stage = f"{env}_fixed_h{baseline}"
+    else:
+        for phase in phases:
+            out[f"phase-{phase.index}"] = run_dir(env, root) / f"phase-{phase.index}" / "final"
+        stage = f"{env}_phase_{len(phases) - 1}"
     missing = [f"{name} ({path})" for name, path in out.items() if not (path / "config.json").exists()]
     if missing:
         raise ConfigError(f"checkpoints not found: {', '.join(missing)}; train them first "
-                          f"(`dvc repro {env}_phase_{len(phases) - 1}` or `scalinginter run --env {env}`)")
+                          f"(`dvc repro {stage}`{'' if baseline else f' or `scalinginter run --env {env}`'})")
     return out
 
 
@@ -55,14 +67,16 @@ def stratified_head(records: list[dict[str, Any]], n: int | None) -> list[dict[s
 
 
 def run_eval(env: str, profile: str | None = None, url: str | None = None, root: Path | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Evaluate every checkpoint of ``env``'s run; write metrics.json and per_item.json; return the metrics."""
+             progress: Callable[[str], None] | None = None, baseline: int | None = None) -> dict[str, Any]:
+    """Evaluate every checkpoint of ``env``'s run (or of its fixed-h ``baseline``); write metrics.json and
+    per_item.json; return the metrics."""
     root = root or project_root()
     params = load_params(root / "params.yaml")
     config = eval_config(env, profile, params)
+    # the same cap for the curriculum and its baselines: the curriculum's last h, so runs compare
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
     items = stratified_head(load_split(env, "test"), config.items)
-    folders = checkpoints(env, profile, root)
+    folders = checkpoints(env, profile, root, baseline)
     options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
     batch_items = config.batch_items
     if "max_jvms" in options:  # k live instances per item, each holding one simulator of a bounded pool
@@ -76,7 +90,7 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
         result["checkpoints"][name]["path"] = str(folder.relative_to(root))
-    out = run_dir(env, root) / "eval"
+    out = (baseline_dir(env, baseline, root) if baseline is not None else run_dir(env, root)) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
     _write(out / "per_item.json", per_item)

@@ -4,7 +4,9 @@
     scalinginter pipeline --check    # fail if they disagree with params.yaml and the curriculum function
 
 After the phases, ``<env>_eval`` evaluates the base model and every phase checkpoint (DVC metrics) and
-``<env>_report`` writes ``reports/<env>.html``.
+``<env>_report`` writes ``reports/<env>.html``. With ``pipeline.baselines: true``, each environment also
+gets its fixed-h baselines (``curriculum.<env>.fixed_baselines``: one phase at that h for the curriculum's
+total steps, from the same base model) and their evaluation, which the report sets beside the curriculum.
 
 params.yaml is the one source of truth. The phases come from ``training.curriculum`` (its pure
 function), are written to ``phases.yaml`` (each phase's own h, steps, first step, algorithm and seed,
@@ -94,10 +96,36 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
             "outs": [{f"runs/{env}/eval/per_item.json": {"cache": False}}],
             "metrics": [{f"runs/{env}/eval/metrics.json": {"cache": False}}],
         }
+        baseline_metrics = []
+        if params.get("pipeline", {}).get("baselines"):
+            total = sum(p["steps"] for p in phases.values())
+            for h in params["curriculum"][env].get("fixed_baselines", []):
+                folder = f"runs/{env}-fixed-h{h}"
+                out[f"{env}_fixed_h{h}"] = {
+                    "cmd": f"scalinginter train-phase {env} --phase 0 --h {h} --steps {total} --init models/tiny "
+                           f"--out {folder}/phase-0 --profile {profile}",
+                    "deps": ["models/tiny", f"data/{env}/train.json", *CODE],
+                    "params": [{"params.yaml": [f"train.{profile}", f"curriculum.{env}.fixed_baselines"]}],
+                    "outs": [f"{folder}/phase-0/final", {f"{folder}/phase-0/intermediate": {"persist": True,
+                                                                                          "cache": False}},
+                             {f"{folder}/phase-0/rollouts": {"cache": False}}],
+                    "metrics": [{f"{folder}/phase-0/dvclive/metrics.json": {"cache": False, "persist": True}}],
+                    "plots": [{f"{folder}/phase-0/dvclive/plots/metrics": {"cache": False, "persist": True,
+                                                                           "x": "step"}}],
+                }
+                out[f"{env}_fixed_h{h}_eval"] = {
+                    "cmd": f"scalinginter eval {env} --profile {profile} --baseline {h}",
+                    "deps": ["models/tiny", f"{folder}/phase-0/final", f"data/{env}/test.json",
+                             "training/evaluate.py", "training/rollout.py", "flows/evaluation.py"],
+                    "params": [f"eval.{profile}"],
+                    "outs": [{f"{folder}/eval/per_item.json": {"cache": False}}],
+                    "metrics": [{f"{folder}/eval/metrics.json": {"cache": False}}],
+                }
+                baseline_metrics.append(f"{folder}/eval/metrics.json")
         out[f"{env}_report"] = {
             "cmd": f"scalinginter report {env}",
-            "deps": [f"runs/{env}/eval/metrics.json", *finals, "flows/report.py", "flows/report_template.html",
-                     "data/paper_results.json"],
+            "deps": [f"runs/{env}/eval/metrics.json", *baseline_metrics, *finals, "flows/report.py",
+                     "flows/report_template.html", "data/paper_results.json"],
             "outs": [{f"reports/{env}.html": {"cache": False}}],
         }
     return out

@@ -48,3 +48,23 @@ def tiny_policy(tiny_model_dir):
     torch.set_num_threads(1)
     model, tokenizer = load_policy(tiny_model_dir)
     return model.eval(), tokenizer
+
+
+def bandit_conversation(arm: str) -> list[dict[str, str]]:
+    """One bandit episode in the rollout's message format, choosing ``arm``."""
+    from envs.bandit.backend import OBSERVATION
+    from envs.bandit.client import INSTRUCTION
+
+    return [{"role": "user", "content": INSTRUCTION}, {"role": "assistant", "content": "OK."},
+            {"role": "user", "content": OBSERVATION},
+            {"role": "assistant", "content": f"Thought: pick one.\nAction: {arm}"}]
+
+
+@pytest.fixture(scope="session")
+def bandit_warm_start(tiny_model_dir, tmp_path_factory):
+    """The tiny model after SFT on as many 'left' as 'right' replies: it picks either, about evenly."""
+    from training.sft import SFTConfig, sft
+
+    out = tmp_path_factory.mktemp("bandit") / "sft"
+    return sft(tiny_model_dir, out, [bandit_conversation("left"), bandit_conversation("right")] * 8,
+               SFTConfig(epochs=30, lr=2e-3, batch_size=8))

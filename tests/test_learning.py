@@ -6,32 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from envs.bandit.backend import OBSERVATION
-from envs.bandit.client import INSTRUCTION
 from envs.splits import load_split
+from tests.conftest import bandit_conversation
 from training.config_train import TrainConfig
 from training.evaluate import evaluate
-from training.sft import SFTConfig, sft, to_trajectory
+from training.sft import to_trajectory
 from training.trainer import train_phase
 
 
-def _conversation(arm: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": INSTRUCTION}, {"role": "assistant", "content": "OK."},
-            {"role": "user", "content": OBSERVATION},
-            {"role": "assistant", "content": f"Thought: pick one.\nAction: {arm}"}]
-
-
 @pytest.fixture(scope="module")
-def warm_start(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model after SFT on as many 'left' as 'right' replies: it picks either, about evenly."""
-    out = tmp_path_factory.mktemp("bandit") / "sft"
-    return sft(tiny_model_dir, out, [_conversation("left"), _conversation("right")] * 8,
-               SFTConfig(epochs=30, lr=2e-3, batch_size=8))
+def warm_start(bandit_warm_start: Path) -> Path:
+    return bandit_warm_start
 
 
 def test_sft_trains_only_the_agents_reply(tiny_policy) -> None:
     tokenizer = tiny_policy[1]
-    t = to_trajectory(_conversation("right"), tokenizer)
+    t = to_trajectory(bandit_conversation("right"), tokenizer)
     trained = tokenizer.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m])
     assert trained == "Thought: pick one.\nAction: right<|im_end|>"  # not the acknowledgement "OK."
 

@@ -101,3 +101,19 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "200"}
     tampered = subprocess.run(["scalinginter", "lineage", "babyai"], cwd=work, env=env, capture_output=True, text=True)
     assert tampered.returncode == 1 and "dvc.lock says h=7, the checkpoint says 5" in tampered.stdout
+
+
+def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps() -> None:
+    params = load_params()
+    params["pipeline"].update(envs=["babyai"], baselines=True)
+    stages = yaml.safe_load(render(params)[1])["stages"]
+    total = sum(p.steps for p in curriculum_config("babyai", "smoke", params).phases())
+    baselines = params["curriculum"]["babyai"]["fixed_baselines"]
+    assert len(baselines) == 2
+    for h in baselines:
+        cmd = stages[f"babyai_fixed_h{h}"]["cmd"]
+        assert f"--h {h} --steps {total}" in cmd and "--init models/tiny" in cmd
+        assert f"--baseline {h}" in stages[f"babyai_fixed_h{h}_eval"]["cmd"]
+        assert f"runs/babyai-fixed-h{h}/eval/metrics.json" in stages["babyai_report"]["deps"]
+    params["pipeline"]["baselines"] = False
+    assert not any("fixed" in name for name in yaml.safe_load(render(params)[1])["stages"])
