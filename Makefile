@@ -14,7 +14,7 @@ $(BIN)/activate:
 # torch first and pinned: the CPU build lies on this machine's disk; any other request pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install --quiet $(TORCH)
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed]' $(TORCH)
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed,dense]' $(TORCH)
 	touch $@
 
 install: $(VENV)/.installed check-java

