@@ -70,6 +70,30 @@ def start_server(
     return url, proc
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when the process that started it dies (no orphaned helpers)."""
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_helper(module: str, *args: str, timeout_s: float = 120.0) -> tuple[str, subprocess.Popen]:
+    """Start ``python -m module --port P *args`` (a helper server such as a retriever) on a free port,
+    tied to this process's life; wait until ``/health`` answers; return (url, process)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return url, proc
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGINT (uvicorn shuts down cleanly, closing every instance), then SIGKILL after 30 s."""
     if proc.poll() is not None:

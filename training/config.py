@@ -42,17 +42,23 @@ def curriculum_config(env: str, profile: str | None = None, params: dict[str, An
         raise ConfigError(f"curriculum.{env}.profiles.{profile} in params.yaml: {err}") from err
 
 
+def _profile_values(params: dict[str, Any], key: str, env: str, profile: str | None) -> tuple[str, dict[str, Any]]:
+    """(profile, ``<key>.<profile>`` of params.yaml overlaid with its ``envs.<env>`` overrides)."""
+    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
+    section = dict(params.get(key, {}).get(profile) or {})
+    if not section:
+        raise ConfigError(f"params.yaml has no {key}.{profile} section")
+    per_env = (section.pop("envs", None) or {}).get(env, {})
+    return profile, {**section, **per_env}
+
+
 def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,
                  params: dict[str, Any] | None = None) -> TrainConfig:
     """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``."""
     params = load_params() if params is None else params
-    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
-    section = dict(params.get("train", {}).get(profile) or {})
-    if not section:
-        raise ConfigError(f"params.yaml has no train.{profile} section")
-    per_env = (section.pop("envs", None) or {}).get(env, {})
+    profile, values = _profile_values(params, "train", env, profile)
     try:
-        return TrainConfig(**{**section, **per_env, **(overrides or {})})
+        return TrainConfig(**{**values, **(overrides or {})})
     except ValidationError as err:
         raise ConfigError(f"train.{profile} (env {env}) in params.yaml, with overrides {overrides}: {err}") from err
 
@@ -73,13 +79,9 @@ class EvalConfig(BaseModel):
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:
     """``eval.<profile>`` of params.yaml, then ``eval.<profile>.envs.<env>``."""
     params = load_params() if params is None else params
-    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
-    section = dict(params.get("eval", {}).get(profile) or {})
-    if not section:
-        raise ConfigError(f"params.yaml has no eval.{profile} section")
-    per_env = (section.pop("envs", None) or {}).get(env, {})
+    profile, values = _profile_values(params, "eval", env, profile)
     try:
-        config = EvalConfig(**{**section, **per_env})
+        config = EvalConfig(**values)
     except ValidationError as err:
         raise ConfigError(f"eval.{profile} (env {env}) in params.yaml: {err}") from err
     if config.temperature == 0 and config.k != 1:

@@ -16,13 +16,8 @@ the sub-task; default: the generated world's questions).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -64,28 +59,12 @@ def load_flashrag(paths: list[str]) -> list[Question]:
     return out
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_retriever(method: str = "bm25", corpus: str = "world", timeout_s: float = 120.0
                     ) -> tuple[str, subprocess.Popen]:
     """Start ``python -m envs.deepsearch.retriever`` on a free port; it dies with this process."""
-    from envs.testing import ROOT, free_port, wait_healthy
+    from envs.testing import start_helper
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "envs.deepsearch.retriever", "--method", method, "--corpus", corpus,
-                             "--port", str(port)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            preexec_fn=_die_with_parent)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout_s)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return url, proc
+    return start_helper("envs.deepsearch.retriever", "--method", method, "--corpus", corpus, timeout_s=timeout_s)
 
 
 class DeepSearchEnv(Environment):
@@ -170,13 +149,10 @@ class Backend(BaseBackend):
 
     def shutdown(self) -> None:
         self.http.close()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            from envs.testing import stop_server
+
+            stop_server(self._proc)
 
 
 __all__ = ["CATEGORIES", "Backend", "DeepSearchEnv", "load_flashrag", "start_retriever"]

@@ -19,12 +19,8 @@ are refused with 503), ``judge_url`` (an OpenAI-compatible endpoint for ``fuzzy_
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 import uuid
 from pathlib import Path
@@ -69,26 +65,11 @@ def load_tasks(source: str | Path) -> list[dict[str, Any]]:
     return tasks
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 def start_sites(timeout_s: float = 60.0) -> tuple[str, subprocess.Popen]:
     """Start the shipped shop and forum on a free port; they die with this process."""
-    from envs.testing import ROOT, free_port, wait_healthy
+    from envs.testing import start_helper
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "envs.webarena.site", "--port", str(port)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_die_with_parent)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout_s)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return url, proc
+    return start_helper("envs.webarena.site", timeout_s=timeout_s)
 
 
 def _substitute(value: Any, sites: dict[str, str]) -> Any:
@@ -361,10 +342,7 @@ class Backend(BaseBackend):
             self.browser.stop()
         finally:
             self.http.close()
-            if self._sites_proc is not None and self._sites_proc.poll() is None:
-                self._sites_proc.terminate()
-                try:
-                    self._sites_proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._sites_proc.kill()
-                    self._sites_proc.wait()
+            if self._sites_proc is not None:
+                from envs.testing import stop_server
+
+                stop_server(self._sites_proc)
