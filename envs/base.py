@@ -119,6 +119,11 @@ class Backend(abc.ABC):
     def sub_task(self, data_idx: int) -> str:
         """The sub-task (category) label of ``data_idx``, used for splits and per-category metrics."""
 
+    @property
+    def capacity(self) -> int | None:
+        """Live episodes the backend can hold at once (a simulator or browser pool), None if unbounded."""
+        return None
+
     def check_index(self, data_idx: int) -> None:
         """Raise :class:`DataIndexError` naming the valid range when ``data_idx`` is out of it."""
         n = self.num_items

@@ -204,6 +204,7 @@ def create_app(
             "max_instances": table.max_instances,
             "reaped": table.reaped,
             "num_items": backend.num_items,
+            "capacity": backend.capacity,
         }
 
     @app.post("/create", dependencies=guarded)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from envs.paths import project_root
 from envs.splits import load_split
 from envs.testing import running_server
@@ -78,11 +80,11 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     items = stratified_head(load_split(env, "test"), config.items)
     folders = checkpoints(env, profile, root, baseline)
     options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
-    batch_items = config.batch_items
-    if "max_jvms" in options:  # k live instances per item, each holding one simulator of a bounded pool
-        batch_items = max(1, min(batch_items, int(options["max_jvms"]) // config.k))
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(env, **options))
+        # k live instances per item; a simulator or browser pool bounds how many items run at once
+        capacity = httpx.get(f"{base}/health", timeout=30).json().get("capacity")
+        batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
         result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,
                                       batch_items=batch_items, progress=progress)

@@ -350,4 +350,20 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
     if (final / MANIFEST).exists():
         read_manifest(final)
         return final
+    check_capacity(url, config.batch_items * config.n_samples)
     return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url).run(progress)
+
+
+class CapacityConfigError(ValueError):
+    """A training step needs more live episodes than the environment server can hold."""
+
+
+def check_capacity(url: str, live: int) -> None:
+    """Fail before training when one step's ``live`` episodes exceed the server's simulator/browser pool."""
+    import httpx
+
+    capacity = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json().get("capacity")
+    if capacity and live > capacity:
+        raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
+                                  f"environment server holds at most {capacity} (max_jvms / max_contexts): lower "
+                                  "batch_items or n_samples, or start the server with a larger pool")

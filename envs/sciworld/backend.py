@@ -154,6 +154,11 @@ class Backend(base.Backend):
         self.items = load_items()
         self.env_step_limit = int(env_step_limit)
         self.pool = JVMPool(int(max_jvms), java_options(heap, java_opts))
+        self.max_jvms = int(max_jvms)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_jvms
 
     @property
     def num_items(self) -> int:

@@ -299,6 +299,10 @@ class Backend(BaseBackend):
         self.browser = BrowserThread(chromium)
 
     @property
+    def capacity(self) -> int:
+        return self.max_contexts
+
+    @property
     def num_items(self) -> int:
         return len(self.tasks)
 
