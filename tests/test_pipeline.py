@@ -117,3 +117,24 @@ def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps() -> None:
         assert f"runs/babyai-fixed-h{h}/eval/metrics.json" in stages["babyai_report"]["deps"]
     params["pipeline"]["baselines"] = False
     assert not any("fixed" in name for name in yaml.safe_load(render(params)[1])["stages"])
+
+
+@pytest.mark.slow
+def test_fixed_h_baselines_run_and_reach_the_report(tmp_path) -> None:
+    work = _workspace(tmp_path)
+    params = (work / "params.yaml").read_text()
+    params = params.replace("  baselines: false", "  baselines: true", 1)
+    params = params.replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
+                            "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 2}", 1)  # babyai: 2 one-step phases
+    (work / "params.yaml").write_text(params)
+    _sh(work, "scalinginter", "pipeline")
+    ran = _ran(_sh(work, "dvc", "repro", "babyai_report"))
+    assert {"babyai_fixed_h6", "babyai_fixed_h20", "babyai_fixed_h6_eval", "babyai_fixed_h20_eval"} <= set(ran)
+    for h in (6, 20):
+        manifest = json.loads((work / f"runs/babyai-fixed-h{h}/phase-0/final/manifest.json").read_text())
+        assert (manifest["h"], manifest["steps"]) == (h, 2)  # matched steps: the curriculum's total
+        metrics = json.loads((work / f"runs/babyai-fixed-h{h}/eval/metrics.json").read_text())
+        assert list(metrics["checkpoints"]) == ["base", f"fixed-h{h}"]
+        assert metrics["h"] == json.loads((work / "runs/babyai/eval/metrics.json").read_text())["h"]
+    page = (work / "reports/babyai.html").read_text()
+    assert '"fixed h=6"' in page and '"fixed h=20"' in page
