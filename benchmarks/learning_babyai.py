@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--n-samples", type=int, default=8, help="trajectories per item (the GRPO group)")
     parser.add_argument("--batch-items", type=int, default=8, help="items per GRPO step")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollouts")
+    parser.add_argument("--sft-epochs", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
@@ -93,12 +95,12 @@ def main() -> None:
     backend = load_backend("babyai")
     test += [f"babyai_{i}" for i in range(900, 2000) if backend.sub_task(i) == "GoTo"][: args.eval_items - len(test)]
     conversations = expert_conversations(train, args.h)
-    warm = sft(Path(args.model), work / "sft", conversations, SFTConfig(epochs=6, lr=1e-3, batch_size=8))
+    warm = sft(Path(args.model), work / "sft", conversations, SFTConfig(epochs=args.sft_epochs, lr=1e-3, batch_size=8))
     print(f"SFT on {len(conversations)} expert episodes ({time.perf_counter() - started:.0f} s)")
     with running_server("babyai") as url:
         before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
         config = TrainConfig(batch_items=args.batch_items, n_samples=args.n_samples, max_new_tokens=24, lr=args.lr,
-                             temperature=args.temperature, sub_tasks=["GoTo"],
+                             temperature=args.temperature, top_p=args.top_p, sub_tasks=["GoTo"],
                              mini_batch_size=16, micro_batch_size=8, log_rollouts=False)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)

@@ -27,6 +27,7 @@ class TrainConfig(BaseModel):
     max_new_tokens: int = Field(48, ge=1)
     context_budget: int = Field(2048, ge=16)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1.0: the full distribution)")
     # update
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.01

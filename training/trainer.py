@@ -146,7 +146,7 @@ class PhaseTrainer:
         engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
-            temperature=config.temperature, seed=config.seed))
+            temperature=config.temperature, top_p=config.top_p, seed=config.seed))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:
         """``candidate`` if it continues this very run (same parent, h, steps and config), else None.
