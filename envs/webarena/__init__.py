@@ -1,3 +1,3 @@
-"""WebArena: web navigation in a real headless Chromium driven by Playwright, with WebArena's action
-grammar and evaluators, against the real sites or a small local shop and forum. Arrives with the
-open-world environments issue."""
+"""WebArena: a real headless Chromium (Playwright, Debian's chromium) on WebArena-format tasks, with the
+shipped shop and forum for offline use (``backend``, ``browser``, ``evaluators``, ``site``, ``client``,
+``expert``)."""
