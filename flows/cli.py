@@ -399,7 +399,8 @@ def run(
     evaluation = result["evaluation"]
     success = " -> ".join(f"{name} {c['success']:.0%}" for name, c in evaluation["checkpoints"].items())
     console.print(f"[bold]done[/bold]: {len(result['phases'])} phases; success on {evaluation['items']} test items "
-                  f"(k={evaluation['k']}): {success}; report {result['report']}")
+                  f"(k={evaluation['k']}): {success}", soft_wrap=True)
+    console.print(f"report: {result['report']}", soft_wrap=True)
 
 
 def main() -> None:

@@ -80,11 +80,13 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                        f"--init {parent} --out {folder} --profile {profile}",
                 "deps": [parent, f"data/{env}/train.json", *CODE],
                 "params": [{"phases.yaml": [f"{env}.{name}"]}, {"params.yaml": [f"train.{profile}"]}],
-                "outs": [f"{folder}/final", {f"{folder}/intermediate": {"persist": True, "cache": False}},
-                         {f"{folder}/rollouts": {"cache": False}}],
-                # persistent: a resumed phase appends to its metrics; a fresh run clears them itself
-                "metrics": [{f"{folder}/dvclive/metrics.json": {"cache": False, "persist": True}}],
-                "plots": [{f"{folder}/dvclive/plots/metrics": {"cache": False, "persist": True, "x": "step"}}],
+                # Every output is cached, so a worker that pulls this stage from the remote has all of it and
+                # DVC sees the stage up to date. Persistent: a resumed phase appends to its rollouts and
+                # metrics (a fresh run clears them itself). intermediate/ (resume checkpoints) is the
+                # trainer's scratch space, not an output: it survives a killed run and never travels.
+                "outs": [f"{folder}/final", {f"{folder}/rollouts": {"persist": True}}],
+                "metrics": [{f"{folder}/dvclive/metrics.json": {"persist": True}}],
+                "plots": [{f"{folder}/dvclive/plots/metrics": {"persist": True, "x": "step"}}],
             }
             parent = f"{folder}/final"
         finals = [f"{phase_dir(env, int(name.split('_')[1]))}/final" for name in phases]
@@ -106,12 +108,9 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                            f"--out {folder}/phase-0 --profile {profile}",
                     "deps": ["models/tiny", f"data/{env}/train.json", *CODE],
                     "params": [{"params.yaml": [f"train.{profile}", f"curriculum.{env}.fixed_baselines"]}],
-                    "outs": [f"{folder}/phase-0/final", {f"{folder}/phase-0/intermediate": {"persist": True,
-                                                                                          "cache": False}},
-                             {f"{folder}/phase-0/rollouts": {"cache": False}}],
-                    "metrics": [{f"{folder}/phase-0/dvclive/metrics.json": {"cache": False, "persist": True}}],
-                    "plots": [{f"{folder}/phase-0/dvclive/plots/metrics": {"cache": False, "persist": True,
-                                                                           "x": "step"}}],
+                    "outs": [f"{folder}/phase-0/final", {f"{folder}/phase-0/rollouts": {"persist": True}}],
+                    "metrics": [{f"{folder}/phase-0/dvclive/metrics.json": {"persist": True}}],
+                    "plots": [{f"{folder}/phase-0/dvclive/plots/metrics": {"persist": True, "x": "step"}}],
                 }
                 out[f"{env}_fixed_h{h}_eval"] = {
                     "cmd": f"scalinginter eval {env} --profile {profile} --baseline {h}",

@@ -40,7 +40,7 @@ def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
     log = done.stdout + done.stderr
     assert "babyai_phase_0: up to date" in log and "babyai_phase_1: trained" in log  # finished phases skipped
     assert (work / "runs/babyai/eval/metrics.json").exists() and (work / "reports/babyai.html").exists()
-    assert f"report:      {work / 'reports/babyai.html'}" in done.stdout
+    assert f"report: {work / 'reports/babyai.html'}" in done.stdout.splitlines()
     rows = (work / "runs/babyai/phase-1/dvclive/plots/metrics/reward/mean.tsv").read_text().splitlines()[1:]
     assert [r.split("\t")[0] for r in rows] == ["2", "3"]  # phase 1 resumed at step 3, logged once each
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")

@@ -32,7 +32,7 @@ def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path,
     url = env_server("bandit")
     test = [r["item_id"] for r in load_split("bandit", "test")]
     before = evaluate(warm_start, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)
-    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=5e-4, kl_coef=0,
+    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=1e-3, kl_coef=0,
                          mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
     final = train_phase("bandit", 0, 1, 8, warm_start, tmp_path, config=config, url=url)
     after = evaluate(final, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)

@@ -100,7 +100,7 @@ class PhaseTrainer:
                  config: TrainConfig, url: str) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.out_dir = out_dir
-        for folder in ("intermediate", "rollouts"):  # DVC outputs, even for a 1-step phase or without rollout logs
+        for folder in ("intermediate", "rollouts"):  # exist even for a 1-step phase or without rollout logs
             (out_dir / folder).mkdir(parents=True, exist_ok=True)
         resume = self._resumable(latest_checkpoint(out_dir / "intermediate"), init_checkpoint)
         source = resume or init_checkpoint
@@ -143,6 +143,9 @@ class PhaseTrainer:
         self.leader = self.backend.rank == 0  # only rank 0 logs metrics and writes the shared files
         self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None) \
             if self.leader else None
+        if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
+            for stale in (out_dir / "rollouts").glob("step-*.jsonl"):
+                stale.unlink()
         engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
