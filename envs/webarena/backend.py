@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import threading
 import uuid
@@ -315,15 +316,15 @@ class Backend(BaseBackend):
         return WebArenaEnv(self)
 
     def check_memory(self) -> None:
-        pid = self.browser.call(self.browser.pid)
-        if pid is None:
-            return
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
-            if rss > self.memory_limit_mb:
-                raise CapacityError(f"the browser uses {rss:.0f} MB, over memory_limit_mb={self.memory_limit_mb:.0f}:"
-                                    " close finished episodes or raise the limit")
+        """Refuse new episodes (503) while the browser's processes hold more than ``memory_limit_mb``."""
+        rss = 0.0
+        for proc in psutil.Process(os.getpid()).children(recursive=True):  # Playwright's driver and chromium
+            with contextlib.suppress(psutil.Error):  # renderer processes come and go
+                if "chrom" in proc.name().lower():
+                    rss += proc.memory_info().rss / 2**20
+        if rss > self.memory_limit_mb:
+            raise CapacityError(f"the browser uses {rss:.0f} MB, over memory_limit_mb={self.memory_limit_mb:.0f}:"
+                                " close finished episodes or raise the limit")
 
     def reset_sandbox(self, sandbox: str) -> None:
         with self._lock:

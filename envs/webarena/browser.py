@@ -96,10 +96,6 @@ class BrowserThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         return self._pool.submit(fn, *args).result()
 
-    def pid(self) -> int | None:
-        proc = getattr(self.browser, "_impl_obj", None)
-        return getattr(getattr(proc, "_browser_process", None), "pid", None) if proc else None
-
     def stop(self) -> None:
         def _stop() -> None:
             try:
