@@ -86,8 +86,6 @@ def _records(work: Path) -> list[tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="flaky: two independent build_model runs do not always give a bitwise equal "
-                   "base model (seen once in three CI runs); open in issue 5")
 def test_two_workers_sharing_only_the_s3_remote_leave_the_lineage_of_one_machine(s3_server, tmp_path) -> None:
     """Worker A trains phase 0 and pushes; worker B, a fresh clone with no files of A's, pulls phase 0 from S3
     and trains phase 1. The chain equals the one a single machine leaves (checkpoints are bitwise

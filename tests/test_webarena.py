@@ -114,7 +114,8 @@ def test_webarena_format_task_folders_load_and_name_missing_sites(tmp_path) -> N
 def test_observation_is_an_accessibility_tree_and_bad_actions_are_explained(env_server) -> None:
     client = Client(env_server("webarena"))
     first = client.reset(0)
-    assert first.observation.startswith(f"OBJECTIVE: {TASKS[0]['intent']}\nURL: http://127.0.0.1:")
+    assert first.observation.startswith(f"OBJECTIVE: {TASKS[0]['intent']}\nURL: http://webarena.local/shop/")
+    assert client.reset(0).observation == first.observation  # element ids and URLs do not depend on the run
     assert "PREVIOUS ACTION: None" in first.observation and "RootWebArea 'One Stop Shop'" in first.observation
     laptops = find_id(first.observation, "link", "Laptops")
     assert laptops is not None
@@ -126,6 +127,7 @@ def test_observation_is_an_accessibility_tree_and_bad_actions_are_explained(env_
     assert url(out).endswith("/shop/category/Laptops") and f"PREVIOUS ACTION: click [{laptops}]" in out.observation
     assert url(client.step(_reply("go_back"))).endswith("/shop/")
     assert url(client.step(_reply("go_forward"))).endswith("/shop/category/Laptops")
+    assert url(client.step(_reply("goto [http://webarena.local/shop/]"))) == "http://webarena.local/shop/"
     tabs = client.step(_reply("new_tab"))
     assert "Tab 1 (current)" in tabs.observation
     assert "Tab 0 (current)" in client.step(_reply("close_tab")).observation

@@ -8,7 +8,9 @@ Sites: task configs name them by WebArena's placeholders (``__SHOPPING__``, ``__
 ``__SHOPPING_ADMIN__``, ``__MAP__``, ``__WIKIPEDIA__``), replaced by the backend options ``shopping``,
 ``reddit``, ... (the real sites' URLs). Without them, the shop and forum shipped in ``envs.webarena.site``
 are started on a free port and serve ``__SHOPPING__`` and ``__REDDIT__``; each episode gets its own
-sandbox of their state, reset at the start of the episode.
+sandbox of their state, reset at the start of the episode. Observations show them under
+``http://webarena.local`` (``goto`` takes that name too) and number page elements 1, 2, ... in tree order,
+so an episode reads the same in every run, whatever port the sites got.
 
 Options: ``tasks`` (a WebArena JSON file or a folder of them; default ``data/webarena/tasks.json``),
 ``chromium`` (executable, default ``/usr/bin/chromium``), ``max_contexts`` (live episodes, each one
@@ -36,6 +38,9 @@ from envs.paths import project_root
 from envs.webarena.browser import Action, ActionError, BrowserThread, ax_tree, element_center, parse_action
 from envs.webarena.evaluators import EvaluatorConfigError, evaluate
 
+# The shipped shop and forum run on a free port; observations name them by this host, so the same
+# episode reads the same in every run (and the tokenizer corpus is reproducible).
+LOCAL_ALIAS = "http://webarena.local"
 PLACEHOLDERS = ("__SHOPPING_ADMIN__", "__SHOPPING__", "__REDDIT__", "__GITLAB__", "__MAP__", "__WIKIPEDIA__")
 ACTIONS = ["click [id]", "type [id] [text] [press_enter_after=0|1]", "hover [id]", "press [key_comb]",
            "scroll [up|down]", "new_tab", "tab_focus [tab_index]", "close_tab", "goto [url]", "go_back",
@@ -99,7 +104,7 @@ class WebArenaEnv(Environment):
         self.done = False
         self.observation = ""
         self.page_observation = ""  # the page as last seen (observation = that, or an error message before it)
-        self.ids: set[int] = set()
+        self.ids: dict[int, int] = {}  # id shown in the observation -> DOM backend node id
 
     # -- everything below named _b_* runs on the browser thread --
     def _b_open(self) -> None:
@@ -129,8 +134,8 @@ class WebArenaEnv(Environment):
         tabs = " | ".join(f"Tab {i}{' (current)' if i == self.active else ''}: {p.title()}"
                           for i, p in enumerate(self.pages))
         assert self.task is not None
-        return (f"OBJECTIVE: {self.task['intent']}\nURL: {page.url}\nPREVIOUS ACTION: {self.previous}\n"
-                f"TABS: {tabs}\nOBSERVATION:\n{tree}")
+        return (f"OBJECTIVE: {self.task['intent']}\nURL: {self.backend.shown_url(page.url)}\n"
+                f"PREVIOUS ACTION: {self.previous}\nTABS: {tabs}\nOBSERVATION:\n{tree}")
 
     def _b_reset(self, task: dict[str, Any]) -> str:
         if self.context is not None:
@@ -146,7 +151,7 @@ class WebArenaEnv(Environment):
         if action.kind in {"click", "hover", "type"}:
             if action.element not in self.ids:
                 raise ActionError(f"there is no element [{action.element}] on this page")
-            x, y = element_center(self.cdp, action.element)
+            x, y = element_center(self.cdp, self.ids[action.element], action.element)
             if action.kind == "hover":
                 page.mouse.move(x, y)
                 return
@@ -173,7 +178,7 @@ class WebArenaEnv(Environment):
             self.pages.pop(self.active).close()
             self._b_focus(len(self.pages) - 1)
         elif action.kind == "goto":
-            page.goto(action.text)
+            page.goto(self.backend.real_url(action.text))
         elif action.kind == "go_back":
             page.go_back()
         elif action.kind == "go_forward":
@@ -283,10 +288,12 @@ class Backend(BaseBackend):
         urls = {known[k]: v.rstrip("/") for k, v in sites.items()}
         self._sites_proc: subprocess.Popen | None = None
         self.local_sites: list[str] = []
+        self.aliases: dict[str, str] = {}  # real base URL -> the stable name observations show
         needed = {p for p in PLACEHOLDERS if p in json.dumps(raw)}
         if needed & {"__SHOPPING__", "__REDDIT__"} - set(urls):
             base, self._sites_proc = start_sites()
             self.local_sites = [base]
+            self.aliases[base] = LOCAL_ALIAS
             urls.setdefault("__SHOPPING__", f"{base}/shop")
             urls.setdefault("__REDDIT__", f"{base}/forum")
         missing = needed - set(urls)
@@ -302,6 +309,20 @@ class Backend(BaseBackend):
     @property
     def capacity(self) -> int:
         return self.max_contexts
+
+    def shown_url(self, url: str) -> str:
+        """``url`` as observations show it: the shipped sites under LOCAL_ALIAS, whatever port they got."""
+        for base, alias in self.aliases.items():
+            if url == base or url.startswith(base + "/"):
+                return alias + url[len(base):]
+        return url
+
+    def real_url(self, url: str) -> str:
+        """The inverse of ``shown_url``, for the agent's ``goto`` actions."""
+        for base, alias in self.aliases.items():
+            if url == alias or url.startswith(alias + "/"):
+                return base + url[len(alias):]
+        return url
 
     @property
     def num_items(self) -> int:

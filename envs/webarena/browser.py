@@ -109,17 +109,19 @@ class BrowserThread:
             self._pool.shutdown(wait=True)
 
 
-def ax_tree(cdp: Any) -> tuple[str, set[int]]:
-    """The page's accessibility tree as WebArena-style text lines ``[id] role 'name'``, and the ids shown.
+def ax_tree(cdp: Any) -> tuple[str, dict[int, int]]:
+    """The page's accessibility tree as WebArena-style text lines ``[id] role 'name'``, and {id: DOM node}.
 
-    Ids are DOM backend node ids (stable while the page lives). Nodes without meaning of their own
-    (generic containers, ignored nodes) are skipped but their children kept.
+    Ids number the shown nodes 1, 2, ... in tree order, so the same page reads the same in every run
+    (DOM backend node ids depend on what the browser loaded before); the map gives each id's backend node
+    id, stable while the page lives. Nodes without meaning of their own (generic containers, ignored nodes)
+    are skipped but their children kept.
     """
     cdp.send("DOM.getDocument", {"depth": 0})
     nodes = cdp.send("Accessibility.getFullAXTree")["nodes"]
     by_id = {n["nodeId"]: n for n in nodes}
     lines: list[str] = []
-    ids: set[int] = set()
+    ids: dict[int, int] = {}
 
     def visit(node: dict[str, Any], depth: int) -> None:
         role = node.get("role", {}).get("value", "")
@@ -137,8 +139,9 @@ def ax_tree(cdp: Any) -> tuple[str, set[int]]:
             value = node.get("value", {}).get("value")
             if value not in (None, ""):
                 props.append(f"value: {value!r}")
-            lines.append("\t" * depth + f"[{backend}] {role} {name!r}" + (" " + " ".join(props) if props else ""))
-            ids.add(int(backend))
+            shown_id = len(ids) + 1
+            lines.append("\t" * depth + f"[{shown_id}] {role} {name!r}" + (" " + " ".join(props) if props else ""))
+            ids[shown_id] = int(backend)
         for child in node.get("childIds", []):
             if child in by_id:
                 visit(by_id[child], depth + (1 if shown else 0))
@@ -157,14 +160,18 @@ CENTER = """function() {
 }"""
 
 
-def element_center(cdp: Any, backend_id: int) -> tuple[float, float]:
-    """Viewport coordinates of the element's centre (scrolled into view); ActionError if it has none."""
+def element_center(cdp: Any, backend_id: int, shown_id: int | None = None) -> tuple[float, float]:
+    """Viewport coordinates of the element's centre (scrolled into view); ActionError if it has none.
+
+    ``shown_id`` is the element's id in the observation, which error messages name (default: ``backend_id``).
+    """
+    label = backend_id if shown_id is None else shown_id
     try:
         obj = cdp.send("DOM.resolveNode", {"backendNodeId": backend_id})["object"]
         box = cdp.send("Runtime.callFunctionOn", {"objectId": obj["objectId"], "functionDeclaration": CENTER,
                                                   "returnByValue": True})["result"]["value"]
     except Exception as err:  # the CDP error says the node is gone
-        raise ActionError(f"element [{backend_id}] is not on the page any more") from err
+        raise ActionError(f"element [{label}] is not on the page any more") from err
     if not box or box[2] <= 0:
-        raise ActionError(f"element [{backend_id}] is not visible")
+        raise ActionError(f"element [{label}] is not visible")
     return float(box[0]), float(box[1])
