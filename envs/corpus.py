@@ -1,13 +1,18 @@
 """Text of the environments themselves: instructions, observations and actions of expert episodes.
 
 The tiny default model's tokenizer is trained on this, so it tokenizes what it will read and write.
-Episodes run in-process (``envs.local``) on training-split items, in a fixed order: same arguments, same
-corpus.
+Episodes run in-process (``envs.local``) on training-split items, in a fixed order. They are recorded
+once into ``data/tokenizer_corpus.json.gz`` (``scalinginter build-corpus``), which is committed and is what
+``build-model`` reads: SciWorld's simulator plans its gold paths in a different (equally valid) order in
+each JVM, so replaying the episodes on two machines would give two tokenizers, and two base models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from envs.local import local_client
@@ -57,3 +62,31 @@ def expert_corpus(episodes: dict[str, int] | None = None) -> Iterator[str]:
         finally:
             client.close()
             client.backend.shutdown()
+
+
+CORPUS_FILE = "data/tokenizer_corpus.json.gz"
+
+
+def write_corpus(texts: Iterable[str], path: Path) -> Path:
+    """Store ``texts`` as gzipped JSON, byte-reproducible (no timestamp in the gzip header), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    data = json.dumps({"texts": list(texts)}, ensure_ascii=False, indent=0).encode()
+    tmp.write_bytes(gzip.compress(data, mtime=0))
+    tmp.replace(path)
+    return path
+
+
+def read_corpus(path: Path) -> list[str]:
+    """The texts of a corpus file written by ``write_corpus``; a clear error when it is missing or malformed."""
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer corpus {path} not found: record one with `scalinginter build-corpus`")
+    try:
+        texts = json.loads(gzip.decompress(path.read_bytes()))["texts"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a tokenizer corpus (gzipped JSON with a 'texts' list): {err}; "
+                         "record it again with `scalinginter build-corpus`") from err
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{path} holds no texts, or texts that are not strings: record it again with "
+                         "`scalinginter build-corpus`")
+    return texts

@@ -6,7 +6,8 @@
     scalinginter splits babyai                       # (re)write data/babyai/{train,test}.json
     scalinginter curriculum --cap 4 --h1 1 --delta-h 1 --every 100 --t 350   # h(t) = 4
     scalinginter curriculum babyai --profile paper   # the configured phase table
-    scalinginter build-model --preset tiny           # the default policy, built locally
+    scalinginter build-corpus                        # record the tokenizer corpus (committed)
+    scalinginter build-model --preset tiny           # the default policy, built locally from it
     scalinginter sft babyai --sub-task GoTo          # optional SFT warm start on expert episodes
     scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --init models/tiny --out runs/babyai/phase-0
 """
@@ -176,18 +177,32 @@ def curriculum(
     console.print(table)
 
 
+@app.command("build-corpus")
+def build_corpus(
+    out: Annotated[str, typer.Option(help="corpus file to write")] = "data/tokenizer_corpus.json.gz",
+    episodes: Annotated[int, typer.Option(help="expert episodes per environment")] = 8,
+) -> None:
+    """Record the tokenizer corpus: every environment's instructions and the text of its expert episodes."""
+    from pathlib import Path
+
+    from envs.corpus import expert_corpus, write_corpus
+
+    with console.status("collecting environment text from expert episodes"):
+        texts = list(expert_corpus({env: episodes for env in SERVED}))
+    console.print(f"wrote {len(texts)} texts to {write_corpus(texts, Path(out))}")
+
+
 @app.command("build-model")
 def build_model(
     preset: Annotated[str, typer.Option(help="tiny (built locally); hub presets load by id instead")] = "tiny",
     out: Annotated[str, typer.Option(help="folder to write the HF model into")] = "models/tiny",
     seed: Annotated[int, typer.Option(help="seed of the random init")] = 0,
-    episodes: Annotated[int, typer.Option(help="expert episodes per environment in the tokenizer corpus")] = 8,
+    corpus: Annotated[str, typer.Option(help="tokenizer corpus (see build-corpus)")] = "data/tokenizer_corpus.json.gz",
 ) -> None:
     """Build the default policy locally: a tokenizer trained on environment text and a tiny random Qwen2."""
     from pathlib import Path
 
-    from envs.corpus import expert_corpus
-    from envs.registry import SERVED
+    from envs.corpus import read_corpus
     from training.model import PRESETS, build_tiny
 
     if preset not in PRESETS:
@@ -195,10 +210,12 @@ def build_model(
     if PRESETS[preset].hub_id is not None:
         _fail(f"preset {preset!r} is the hub model {PRESETS[preset].hub_id}: pass it to training directly, "
               "nothing to build")
-    with console.status("collecting environment text from expert episodes"):
-        corpus = list(expert_corpus({env: episodes for env in SERVED}))
-    path = build_tiny(corpus, Path(out), seed=seed, preset=PRESETS[preset])
-    console.print(f"wrote {preset} model to {path} ({len(corpus)} corpus texts)")
+    try:
+        texts = read_corpus(Path(corpus))
+    except (FileNotFoundError, ValueError) as err:
+        _fail(str(err))
+    path = build_tiny(texts, Path(out), seed=seed, preset=PRESETS[preset])
+    console.print(f"wrote {preset} model to {path} ({len(texts)} corpus texts from {corpus})")
 
 
 @app.command("train-phase")

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from envs.corpus import CORPUS_FILE
 from envs.paths import project_root
 from envs.registry import SERVED
 from training.config import curriculum_config, load_params, train_config
@@ -55,8 +56,8 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
     out: dict[str, Any] = {
         "build_model": {
             "cmd": f"scalinginter build-model --preset tiny --out models/tiny --seed {model.get('seed', 0)} "
-                   f"--episodes {model.get('episodes', 8)}",
-            "deps": ["envs/corpus.py", "training/model.py"],
+                   f"--corpus {CORPUS_FILE}",
+            "deps": [CORPUS_FILE, "training/model.py"],
             "params": ["model"],
             "outs": ["models/tiny"],
         },

@@ -92,3 +92,41 @@ def test_engine_sampling_is_seeded_and_stops_at_end_of_turn(tiny_policy) -> None
         assert tokenizer.eos_token_id not in g.token_ids[:-1]
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_committed_corpus_covers_every_environment_and_builds_the_same_model_twice(tmp_path) -> None:
+    """build-model reads the recorded corpus, not live episodes: two builds are bitwise equal."""
+    from typer.testing import CliRunner
+
+    from envs.corpus import CORPUS_FILE, read_corpus
+    from envs.paths import project_root
+    from envs.registry import SERVED, spec_class
+    from flows.cli import app
+
+    texts = read_corpus(project_root() / CORPUS_FILE)
+    for env in SERVED:  # each environment's instruction is in it
+        assert spec_class(env).conversation_start[0]["value"] in texts, env
+    assert any("OBSERVATION:" in t for t in texts) and any("<information>" in t for t in texts)
+    runner = CliRunner()
+    for name in ("a", "b"):
+        done = runner.invoke(app, ["build-model", "--out", str(tmp_path / name),
+                                   "--corpus", str(project_root() / CORPUS_FILE)])
+        assert done.exit_code == 0, done.output
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+
+
+def test_a_missing_or_broken_corpus_is_named(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from envs.corpus import read_corpus, write_corpus
+    from flows.cli import app
+
+    path = write_corpus(["one", "two"], tmp_path / "c.json.gz")
+    assert read_corpus(path) == ["one", "two"]
+    first = path.read_bytes()
+    assert write_corpus(["one", "two"], path).read_bytes() == first  # byte-reproducible
+    (tmp_path / "bad.json.gz").write_text("not gzip")
+    with pytest.raises(ValueError, match="build-corpus"):
+        read_corpus(tmp_path / "bad.json.gz")
+    done = CliRunner().invoke(app, ["build-model", "--out", str(tmp_path / "m"), "--corpus", str(tmp_path / "no.gz")])
+    assert done.exit_code == 2 and "build-corpus" in done.output and not (tmp_path / "m").exists()
