@@ -1,5 +1,5 @@
-"""Orchestration overhead per phase: Prefect task + ``dvc repro`` + the stage's own process, against calling
-``train_phase`` directly in one warm process.
+"""Orchestration overhead per phase: the Prefect task running the phase's DVC stage (status check, the
+stage's command, dvc.lock record), against calling ``train_phase`` directly in one warm process.
 
     python benchmarks/orchestration_overhead.py [--env babyai] [--phases 3]
 
@@ -65,7 +65,8 @@ def main() -> None:
     from training.trainer import train_phase
 
     result = scalinginter(env=args.env, profile="smoke")
-    stage = [row["stage_seconds"] for row in result["phases"]]
+    stage = [row["task_seconds"] for row in result["phases"]]
+    print("how each phase ran:", ", ".join(row["how"] for row in result["phases"]))
     direct = []
     config = train_config(args.env, "smoke")
     with running_server(args.env) as url:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,17 +11,12 @@ from prefect import task
 
 from envs.paths import project_root
 from envs.testing import start_server, stop_server
+from flows.stage_runner import run_command, run_stage
 from training.checkpoint import read_manifest
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
-    # dvc and the stages' `scalinginter` live beside this interpreter, activated or not
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    done = subprocess.run(cmd, cwd=project_root(), env={**os.environ, "PATH": path, **(env or {})},
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return done.stdout
+    return run_command(cmd, project_root(), env)
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
@@ -47,15 +40,16 @@ def teardown_env_server(pid: int) -> None:
 
 @task
 def run_phase(env: str, index: int, url: str) -> dict:
-    """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server."""
+    """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server; in this warm
+    process when only that stage is stale (``flows.stage_runner``), else through ``dvc repro``."""
     stage = f"{env}_phase_{index}"
     started = time.perf_counter()
-    output = _run(["dvc", "repro", stage], env={"SCALINGINTER_ENV_URL": url})
+    outcome = run_stage(project_root(), stage, url)
     seconds = time.perf_counter() - started
     manifest = read_manifest(project_root() / "runs" / env / f"phase-{index}" / "final")
     metrics_file = project_root() / "runs" / env / f"phase-{index}" / "dvclive" / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-    return {"stage": stage, "ran": f"Running stage '{stage}'" in output, "h": manifest["h"],
+    return {"stage": stage, "ran": outcome != "skipped", "how": outcome, "h": manifest["h"],
             "steps": manifest["steps"], "hash": manifest["hash"], "parent": manifest["parent"],
             "reward": metrics.get("reward", {}).get("mean"), "success": metrics.get("success", {}).get("rate"),
             "wall_seconds": manifest.get("cost", {}).get("wall_seconds"), "stage_seconds": round(seconds, 3)}
