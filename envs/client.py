@@ -88,6 +88,18 @@ def _check(response: httpx.Response) -> Any:
     )
 
 
+def server_capacity(url: str, token: str | None = None, timeout: float = 30.0) -> int | None:
+    """How many live instances the server at ``url`` holds at once (its /health ``capacity``: SciWorld's JVM
+    pool, WebArena's browser contexts); None when it sets no bound."""
+    path = f"{url.rstrip('/')}/health"
+    try:
+        health = _check(httpx.get(path, headers=_headers(token), timeout=timeout))
+    except httpx.TransportError as err:
+        raise _transport_error("GET", "/health", url, err) from err
+    capacity = health.get("capacity") if isinstance(health, dict) else None
+    return int(capacity) if capacity else None
+
+
 def agentgym_conversation(instruction: str, ack: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """AgentGym's ``conversation_start``: the instruction (human) and the agent's acknowledgement (gpt)."""
     return ({"from": "human", "loss": None, "value": instruction}, {"from": "gpt", "loss": False, "value": ack})

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from envs.client import server_capacity
 from envs.paths import project_root
 from envs.splits import load_split
 from envs.testing import running_server
@@ -83,7 +82,7 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(env, **options))
         # k live instances per item; a simulator or browser pool bounds how many items run at once
-        capacity = httpx.get(f"{base}/health", timeout=30).json().get("capacity")
+        capacity = server_capacity(base)
         batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
         result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from envs.client import EnvServerError, step_many
+from envs.client import EnvServerError, server_capacity, step_many
 from envs.react import MULTIPLE_ACTIONS
 from envs.registry import SERVED, UnknownEnvironmentError, async_client_class, client_class, load_backend
 
@@ -69,6 +69,13 @@ def test_server_errors_raise_with_the_servers_message(env_server) -> None:
 def test_unreachable_server_is_a_clear_error() -> None:
     with pytest.raises(EnvServerError, match="cannot reach"):
         client_class("babyai")("http://127.0.0.1:9")
+    with pytest.raises(EnvServerError, match=r"cannot reach http://127\.0\.0\.1:9"):
+        server_capacity("http://127.0.0.1:9")
+
+
+def test_server_capacity_is_the_pool_bound_or_none(env_server) -> None:
+    assert server_capacity(env_server("textcraft")) is None  # in-process simulators: no pool
+    assert server_capacity(env_server("sciworld")) == 4  # the JVM pool (max_jvms of the session server)
 
 
 def test_async_client_matches_sync_client(env_server) -> None:

@@ -363,9 +363,9 @@ class CapacityConfigError(ValueError):
 
 def check_capacity(url: str, live: int) -> None:
     """Fail before training when one step's ``live`` episodes exceed the server's simulator/browser pool."""
-    import httpx
+    from envs.client import server_capacity
 
-    capacity = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json().get("capacity")
+    capacity = server_capacity(url)
     if capacity and live > capacity:
         raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
                                   f"environment server holds at most {capacity} (max_jvms / max_contexts): lower "
