@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -121,8 +120,7 @@ def main() -> None:
     diff, low, high = paired_difference_ci(before.item_success(), after.item_success())
     verdict = "significant" if low > 0 else "not significant"
     print(f"{'change':>24}: {diff:+.1%} (paired bootstrap 95% CI {low:+.1%} to {high:+.1%}: {verdict})")
-    print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work}")
-    shutil.rmtree(work / "sft", ignore_errors=True)
+    print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work} (the warm start: --warm {warm})")
 
 
 if __name__ == "__main__":
