@@ -109,7 +109,8 @@ def main() -> None:
         before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
         config = TrainConfig(batch_items=args.batch_items, n_samples=args.n_samples, max_new_tokens=24, lr=args.lr,
                              temperature=args.temperature, top_p=args.top_p, sub_tasks=["GoTo"],
-                             mini_batch_size=16, micro_batch_size=8, log_rollouts=False, save_every=args.steps)
+                             mini_batch_size=16, micro_batch_size=8, log_rollouts=False, save_every=args.steps,
+                             skip_flat_steps=True)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)

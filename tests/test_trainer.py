@@ -158,3 +158,17 @@ def test_bf16_precision_autocasts_the_forward_and_keeps_float32_weights(env_serv
     from safetensors.torch import load_file
 
     assert {t.dtype for t in load_file(final / "model.safetensors").values()} == {torch.float32}
+
+
+def test_a_step_without_advantage_signal_can_skip_the_update(env_server, tiny_model_dir, tmp_path) -> None:
+    """The untrained model fails every BabyAI episode at h=1: every group is flat. With skip_flat_steps the
+    weights stay as they were and the step is logged as skipped; without it Adam still moves them."""
+    url = env_server("babyai")
+    skipped = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "skip", url=url,
+                          config=CONFIG.model_copy(update={"skip_flat_steps": True}))
+    metrics = json.loads((tmp_path / "skip" / "dvclive" / "metrics.json").read_text())
+    assert metrics["actor"]["skipped"] == 1.0 and metrics["actor"]["flat_groups"] == CONFIG.batch_items
+    assert metrics["success"]["rate"] == 0.0
+    assert _weights(skipped) == _weights(tiny_model_dir)
+    moved = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "update", url=url, config=CONFIG)
+    assert _weights(moved) != _weights(tiny_model_dir)

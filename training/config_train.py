@@ -39,6 +39,9 @@ class TrainConfig(BaseModel):
     kl_in_reward: bool = Field(False, description="subtract kl_coef * KL from rewards instead of a loss term")
     entropy_coef: float = 1e-3
     grad_clip: float = 1.0
+    skip_flat_steps: bool = Field(False, description="a step whose advantages are all zero (every group flat) "
+                                  "makes no update; otherwise (verl's behaviour) Adam steps full-size along the "
+                                  "KL and entropy terms alone, which can wreck a small SFT'd policy")
     old_logprobs: Literal["sampler", "recompute"] = "recompute"
     gamma: float = 1.0
     lam: float = 1.0

@@ -216,12 +216,26 @@ class PhaseTrainer:
             return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0}
         exp = self.prepare(collate(valid, self.tokenizer.pad_token_id))
         t2 = time.perf_counter()
+        if cfg.skip_flat_steps and not self._has_signal(exp):
+            # every group flat (all samples of each item agree): no policy gradient; Adam would still take a
+            # full-size step along the entropy bonus alone, which wrecks a small policy in a few steps
+            return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "actor/skipped": 1.0,
+                            "actor/flat_groups": exp.flat_groups}
         stats |= self.update(exp, step)
         t3 = time.perf_counter()
         trained = int(exp.mask.sum()) * cfg.ppo_epochs
         self.ledger.trained_tokens += trained
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
+
+    def _has_signal(self, exp: Experience) -> bool:
+        """Whether any trajectory of this step, on any rank, has a non-zero advantage."""
+        signal = torch.tensor([float(bool((exp.advantages * exp.mask).abs().sum() > 0))], device=self.device)
+        if self.backend.world_size > 1:  # every rank must take the same decision, or the all-reduces desync
+            import torch.distributed as dist
+
+            dist.all_reduce(signal)
+        return bool(signal.item() > 0)
 
     def prepare(self, exp: Experience) -> Experience:
         cfg = self.config
