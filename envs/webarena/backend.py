@@ -26,6 +26,7 @@ import os
 import subprocess
 import threading
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,14 @@ def start_sites(timeout_s: float = 60.0) -> tuple[str, subprocess.Popen]:
     from envs.testing import start_helper
 
     return start_helper("envs.webarena.site", timeout_s=timeout_s)
+
+
+def _rebase(url: str, prefixes: Iterable[tuple[str, str]]) -> str:
+    """``url`` with the first matching ``old`` base URL replaced by ``new``, for (old, new) in ``prefixes``."""
+    for old, new in prefixes:
+        if url == old or url.startswith(old + "/"):
+            return new + url[len(old):]
+    return url
 
 
 def _substitute(value: Any, sites: dict[str, str]) -> Any:
@@ -312,17 +321,11 @@ class Backend(BaseBackend):
 
     def shown_url(self, url: str) -> str:
         """``url`` as observations show it: the shipped sites under LOCAL_ALIAS, whatever port they got."""
-        for base, alias in self.aliases.items():
-            if url == base or url.startswith(base + "/"):
-                return alias + url[len(base):]
-        return url
+        return _rebase(url, self.aliases.items())
 
     def real_url(self, url: str) -> str:
         """The inverse of ``shown_url``, for the agent's ``goto`` actions."""
-        for base, alias in self.aliases.items():
-            if url == alias or url.startswith(alias + "/"):
-                return base + url[len(alias):]
-        return url
+        return _rebase(url, ((alias, base) for base, alias in self.aliases.items()))
 
     @property
     def num_items(self) -> int:
