@@ -172,3 +172,19 @@ def test_a_step_without_advantage_signal_can_skip_the_update(env_server, tiny_mo
     assert _weights(skipped) == _weights(tiny_model_dir)
     moved = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "update", url=url, config=CONFIG)
     assert _weights(moved) != _weights(tiny_model_dir)
+
+
+def test_an_item_list_replaces_the_split_and_is_checked() -> None:
+    from training.trainer import DataStream
+
+    items = ["babyai_2003", "babyai_2010", "babyai_2044"]
+    stream = DataStream("babyai", TrainConfig(items=items, seed=3))
+    drawn = stream.take(7)
+    assert set(drawn) == set(items)
+    assert sorted(drawn[:3]) == sorted(items)  # each epoch is a permutation of the list
+    resumed = DataStream("babyai", TrainConfig(items=items, seed=3), position=4)
+    assert resumed.take(3) == drawn[4:]
+    with pytest.raises(ValueError, match="non-empty"):
+        TrainConfig(items=[])
+    with pytest.raises(ValueError, match="no sub_tasks"):
+        TrainConfig(items=items, sub_tasks=["GoTo"])

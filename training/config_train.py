@@ -21,6 +21,8 @@ class TrainConfig(BaseModel):
     # data
     split: str = "train"
     sub_tasks: list[str] | None = Field(None, description="train only on these sub-tasks (e.g. ['GoTo'])")
+    items: list[str] | None = Field(None, description="train on exactly these item ids instead of the split "
+                                    "(e.g. a curriculum's easy items); recorded with the checkpoint's config")
     batch_items: int = Field(4, ge=1, description="items per training step")
     n_samples: int = Field(4, ge=1, description="trajectories per item (the GRPO group)")
     # rollout
@@ -53,6 +55,9 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batches(self) -> TrainConfig:
+        if self.items is not None and (not self.items or self.sub_tasks):
+            raise ValueError("items lists the item ids to train on: give a non-empty list, and no sub_tasks with "
+                             "it (filter the list itself)")
         if self.backend == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.backend_check)")

@@ -52,16 +52,20 @@ log = logging.getLogger(__name__)
 
 
 class DataStream:
-    """An endless, seeded order over the split's items; ``position`` is all the state it has."""
+    """An endless, seeded order over the split's items (or the config's own item list); ``position`` is all
+    the state it has."""
 
     def __init__(self, env: str, config: TrainConfig, position: int = 0) -> None:
+        self.seed, self.position = config.seed, position
+        if config.items:
+            self.items = list(config.items)
+            return
         rows = load_split(env, config.split)
         if config.sub_tasks:
             rows = [r for r in rows if r["sub_task"] in config.sub_tasks]
         if not rows:
             raise ValueError(f"no {env} items in split {config.split!r} with sub_tasks {config.sub_tasks}")
         self.items = [r["item_id"] for r in rows]
-        self.seed, self.position = config.seed, position
 
     def take(self, n: int) -> list[str]:
         out = []
