@@ -1,15 +1,20 @@
-"""Does GRPO learn? BabyAI GoTo levels at small h with the tiny model, warm-started by SFT.
+"""Does GRPO learn? BabyAI GoTo at small h with the tiny model, warm-started by SFT.
 
-    python benchmarks/learning_babyai.py [--sft-items 600] [--sft-epochs 3] [--steps 30] [--lr 2e-4] [--h 3]
+    python benchmarks/learning_babyai.py [--h 1] [--sft-items 1500] [--steps 40] [--lr 1e-4] [--warm DIR]
 
-1. Warm start: SFT on the successful expert episodes of GoTo items (the training split's, then indices >=
-   2000, which no split holds), deliberately short (3 epochs): the policy then solves some items always,
-   some never and many sometimes, so GRPO's groups are mixed and carry a signal. The expert here is a
-   high-level one (read the goal, take the visible "go to <target>" action, else turn), so episodes are
-   a few turns long and fit a CPU budget.
-2. Greedy evaluation (temperature 0) of the warm start on held-out GoTo items (the test split's, then
-   indices >= 900, which no split holds).
-3. GRPO for --steps steps at turn cap h from the warm start; greedy evaluation again.
+The task: GoTo items that the high-level expert (read the goal, take the visible "go to <target>" action,
+else turn) solves within h turns; at the default h=1 these are the items whose target is in view at the
+start (about a third of GoTo). The agent must pick, among the listed "go to ..." actions, the one the
+goal names: copy the goal's colour and type into its action. Items outside the cap carry no signal for
+GRPO and no information for the evaluation, so they are left out of both.
+
+1. Warm start: SFT (3 epochs) on the expert's episodes of the first --sft-items GoTo items of a pool that
+   no split holds (indices 2000-29999). Deliberately short: the policy then solves some items always,
+   some never and many sometimes, so GRPO's groups are mixed and carry a signal.
+2. Greedy evaluation (temperature 0) of the warm start on held-out items (indices 900-1999, then
+   50000 on; in neither split nor the pool).
+3. GRPO (flat steps skipped) for --steps steps at turn cap h from the warm start, on the rest of the
+   pool's items; greedy evaluation again on the same held-out items.
 Prints success before and after with 95% bootstrap confidence intervals, and the paired bootstrap
 interval of the change (same items before and after).
 """
@@ -26,9 +31,9 @@ from pathlib import Path
 import torch
 
 from envs.babyai.client import Spec
-from envs.local import local_client
+from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
-from envs.splits import item_index, load_split
+from envs.splits import item_index
 from envs.testing import running_server
 from training.config_train import TrainConfig
 from training.evaluate import evaluate, paired_difference_ci
@@ -49,79 +54,86 @@ def goto_reply(first_observation: str, observation: str) -> str:
     return "Thought: I do not see it yet.\nAction: turn left"
 
 
-def expert_conversations(items: list[str], max_turns: int) -> list[list[dict[str, str]]]:
-    """Successful high-level expert episodes, in the rollout's message format."""
-    client = local_client("babyai")
+def expert_episode(client: LocalEnvClient, item: str, max_turns: int) -> list[dict[str, str]] | None:
+    """The high-level expert's episode on ``item`` in the rollout's message format, or None if it fails."""
     human, gpt = Spec.conversation_start
-    out = []
-    for item in items:
-        first = client.reset(item_index(item)).observation
-        messages = [{"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]},
-                    {"role": "user", "content": first}]
-        observation = first
-        for _ in range(max_turns):
-            reply = goto_reply(first, observation)
-            step = client.step(reply)
-            messages.append({"role": "assistant", "content": reply})
-            if step.done:
-                if step.success:
-                    out.append(messages)
-                break
-            observation = step.observation
-            messages.append({"role": "user", "content": observation})
-    client.close()
-    return out
+    first = client.reset(item_index(item)).observation
+    messages = [{"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]},
+                {"role": "user", "content": first}]
+    observation = first
+    for _ in range(max_turns):
+        reply = goto_reply(first, observation)
+        step = client.step(reply)
+        messages.append({"role": "assistant", "content": reply})
+        if step.done:
+            return messages if step.success else None
+        observation = step.observation
+        messages.append({"role": "user", "content": observation})
+    return None
+
+
+def solvable(items: list[str], max_turns: int) -> dict[str, list[dict[str, str]]]:
+    """The items the expert solves within ``max_turns`` turns, each with its episode."""
+    client = local_client("babyai")
+    try:
+        episodes = {item: expert_episode(client, item, max_turns) for item in items}
+    finally:
+        client.close()
+    return {item: e for item, e in episodes.items() if e is not None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/tiny")
-    parser.add_argument("--sft-items", type=int, default=600, help="GoTo items the expert plays for SFT")
-    parser.add_argument("--warm", default=None, help="reuse this warm-start folder instead of running SFT")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--h", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--eval-items", type=int, default=200)
-    parser.add_argument("--n-samples", type=int, default=8, help="trajectories per item (the GRPO group)")
-    parser.add_argument("--batch-items", type=int, default=8, help="items per GRPO step")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollouts")
+    parser.add_argument("--h", type=int, default=1, help="turn cap of the task, the SFT episodes and GRPO")
+    parser.add_argument("--sft-items", type=int, default=1500, help="GoTo items of the pool the expert plays for SFT")
     parser.add_argument("--sft-epochs", type=int, default=3)
+    parser.add_argument("--warm", default=None, help="reuse this warm-start folder instead of running SFT")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--eval-items", type=int, default=300)
+    parser.add_argument("--n-samples", type=int, default=16, help="trajectories per item (the GRPO group)")
+    parser.add_argument("--batch-items", type=int, default=8, help="items per GRPO step")
+    parser.add_argument("--mini-batch", type=int, default=32, help="trajectories per optimizer step")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
     started = time.perf_counter()
-    # BabyAI's index space is unbounded: indices 900-1999 (held-out evaluation) and >= 2000 (more SFT
-    # episodes) are in neither split
+    # BabyAI's index space is unbounded; the splits draw from 0-899. Indices 2000-29999 are the training
+    # pool (the first --sft-items for SFT, the rest for GRPO); 900-1999, then 50000 on, are held out.
     backend = load_backend("babyai")
-    train = [r["item_id"] for r in load_split("babyai", "train") if r["sub_task"] == "GoTo"]
-    train += [f"babyai_{i}" for i in range(2000, 10_000) if backend.sub_task(i) == "GoTo"]
-    test = [r["item_id"] for r in load_split("babyai", "test") if r["sub_task"] == "GoTo"]
-    test += [f"babyai_{i}" for i in range(900, 2000) if backend.sub_task(i) == "GoTo"][: args.eval_items - len(test)]
+    pool = [f"babyai_{i}" for i in range(2000, 30_000) if backend.sub_task(i) == "GoTo"]
+    held_out = [f"babyai_{i}" for i in [*range(900, 2000), *range(50_000, 60_000)] if backend.sub_task(i) == "GoTo"]
+    sft_episodes = solvable(pool[: args.sft_items], args.h)
+    grpo_items = list(solvable(pool[args.sft_items:], args.h))
+    test = list(solvable(held_out[: 10 * args.eval_items], args.h))[: args.eval_items]
+    print(f"task: GoTo items the expert solves within h={args.h} turns; {len(sft_episodes)} SFT episodes, "
+          f"{len(grpo_items)} GRPO items, {len(test)} held-out items")
     if args.warm:
         warm = Path(args.warm)
     else:
-        conversations = expert_conversations(train[: args.sft_items], args.h)
-        warm = sft(Path(args.model), work / "sft", conversations,
-                   SFTConfig(epochs=args.sft_epochs, lr=1e-3, batch_size=8))
-        print(f"SFT on {len(conversations)} expert episodes ({time.perf_counter() - started:.0f} s)")
+        warm = sft(Path(args.model), work / "sft", list(sft_episodes.values()),
+                   SFTConfig(epochs=args.sft_epochs, lr=1e-3, batch_size=8), progress=True)
+        print(f"SFT on {len(sft_episodes)} expert episodes ({time.perf_counter() - started:.0f} s)")
     with running_server("babyai") as url:
         before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
-        config = TrainConfig(batch_items=args.batch_items, n_samples=args.n_samples, max_new_tokens=24, lr=args.lr,
-                             temperature=args.temperature, top_p=args.top_p, sub_tasks=["GoTo"],
-                             mini_batch_size=16, micro_batch_size=8, log_rollouts=False, save_every=args.steps,
-                             skip_flat_steps=True)
+        config = TrainConfig(items=grpo_items, batch_items=args.batch_items, n_samples=args.n_samples,
+                             max_new_tokens=24, lr=args.lr, temperature=args.temperature,
+                             mini_batch_size=args.mini_batch, micro_batch_size=16, log_rollouts=False,
+                             save_every=args.steps, skip_flat_steps=True)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
     for name, result in (("warm start (SFT)", before), (f"after {args.steps} GRPO steps", after)):
         low, high = result.success_ci()
-        print(f"{name:>24}: greedy success {result.success_rate:.1%} on {len(test)} held-out GoTo items "
+        print(f"{name:>24}: greedy success {result.success_rate:.1%} on {len(test)} held-out items "
               f"(95% CI {low:.1%}-{high:.1%})")
     diff, low, high = paired_difference_ci(before.item_success(), after.item_success())
     verdict = "significant" if low > 0 else "not significant"
     print(f"{'change':>24}: {diff:+.1%} (paired bootstrap 95% CI {low:+.1%} to {high:+.1%}: {verdict})")
-    print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work} (the warm start: --warm {warm})")
+    print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work} (the warm start: --warm {warm}; "
+          f"GRPO metrics: {work / 'grpo' / 'dvclive'})")
 
 
 if __name__ == "__main__":
