@@ -86,15 +86,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--h", type=int, default=1, help="turn cap of the task, the SFT episodes and GRPO")
-    parser.add_argument("--sft-items", type=int, default=1500, help="GoTo items of the pool the expert plays for SFT")
-    parser.add_argument("--sft-epochs", type=int, default=3)
+    parser.add_argument("--sft-items", type=int, default=3400, help="GoTo items of the pool the expert plays for SFT")
+    parser.add_argument("--sft-epochs", type=int, default=4)
     parser.add_argument("--warm", default=None, help="reuse this warm-start folder instead of running SFT")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--eval-items", type=int, default=300)
-    parser.add_argument("--n-samples", type=int, default=16, help="trajectories per item (the GRPO group)")
+    parser.add_argument("--n-samples", type=int, default=8, help="trajectories per item (the GRPO group)")
     parser.add_argument("--batch-items", type=int, default=8, help="items per GRPO step")
     parser.add_argument("--mini-batch", type=int, default=32, help="trajectories per optimizer step")
+    parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler",
+                        help="PPO's old log-probs: the sampler's (one forward pass less per step) or recomputed")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -121,7 +123,8 @@ def main() -> None:
         config = TrainConfig(items=grpo_items, batch_items=args.batch_items, n_samples=args.n_samples,
                              max_new_tokens=24, lr=args.lr, temperature=args.temperature,
                              mini_batch_size=args.mini_batch, micro_batch_size=16, log_rollouts=False,
-                             save_every=args.steps, skip_flat_steps=True)
+                             save_every=args.steps, skip_flat_steps=True,
+                             old_logprobs=args.old_logprobs)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
