@@ -1,6 +1,6 @@
 """Does GRPO learn? BabyAI GoTo at small h with the tiny model, warm-started by SFT.
 
-    python benchmarks/learning_babyai.py [--h 1] [--sft-items 1500] [--steps 40] [--lr 1e-4] [--warm DIR]
+    python benchmarks/learning_babyai.py [--h 1] [--sft-items 3400] [--steps 40] [--lr 2e-4] [--warm DIR]
 
 The task: GoTo items that the high-level expert (read the goal, take the visible "go to <target>" action,
 else turn) solves within h turns; at the default h=1 these are the items whose target is in view at the
@@ -8,7 +8,7 @@ start (about a third of GoTo). The agent must pick, among the listed "go to ..."
 goal names: copy the goal's colour and type into its action. Items outside the cap carry no signal for
 GRPO and no information for the evaluation, so they are left out of both.
 
-1. Warm start: SFT (3 epochs) on the expert's episodes of the first --sft-items GoTo items of a pool that
+1. Warm start: SFT (--sft-epochs, 4) on the expert's episodes of the first --sft-items GoTo items of a pool that
    no split holds (indices 2000-29999). Deliberately short: the policy then solves some items always,
    some never and many sometimes, so GRPO's groups are mixed and carry a signal.
 2. Greedy evaluation (temperature 0) of the warm start on held-out items (indices 900-1999, then
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--mini-batch", type=int, default=32, help="trajectories per optimizer step")
     parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler",
                         help="PPO's old log-probs: the sampler's (one forward pass less per step) or recomputed")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollouts")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -121,7 +122,7 @@ def main() -> None:
     with running_server("babyai") as url:
         before = evaluate(warm, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
         config = TrainConfig(items=grpo_items, batch_items=args.batch_items, n_samples=args.n_samples,
-                             max_new_tokens=24, lr=args.lr, temperature=args.temperature,
+                             max_new_tokens=24, lr=args.lr, temperature=args.temperature, top_p=args.top_p,
                              mini_batch_size=args.mini_batch, micro_batch_size=16, log_rollouts=False,
                              save_every=args.steps, skip_flat_steps=True,
                              old_logprobs=args.old_logprobs)
