@@ -99,6 +99,9 @@ def main() -> None:
                         help="PPO's old log-probs: the sampler's (one forward pass less per step) or recomputed")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the rollouts")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    parser.add_argument("--drop-flat-groups", action=argparse.BooleanOptionalAction, default=True,
+                        help="update on the mixed groups only (DAPO's dynamic sampling)")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's mini-batches")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
@@ -124,8 +127,8 @@ def main() -> None:
         config = TrainConfig(items=grpo_items, batch_items=args.batch_items, n_samples=args.n_samples,
                              max_new_tokens=24, lr=args.lr, temperature=args.temperature, top_p=args.top_p,
                              mini_batch_size=args.mini_batch, micro_batch_size=16, log_rollouts=False,
-                             save_every=args.steps, skip_flat_steps=True,
-                             old_logprobs=args.old_logprobs)
+                             save_every=args.steps, skip_flat_steps=True, drop_flat_groups=args.drop_flat_groups,
+                             ppo_epochs=args.ppo_epochs, old_logprobs=args.old_logprobs)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)

@@ -204,4 +204,5 @@ def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tm
     assert {r["item_id"] for r in rows} == set(_items("babyai", 2))
     for row, t in zip(rows, result.trajectories, strict=True):
         assert row["termination"] == t.termination and row["turns"] == len(t.turns) == len(row["turn_records"])
+        assert row["agent_tokens"] == sum(t.loss_mask) > 0
         assert row["conversation"][0]["role"] == "user" and row["reward"] == t.reward

@@ -172,6 +172,39 @@ def test_a_step_without_advantage_signal_can_skip_the_update(env_server, tiny_mo
     assert _weights(skipped) == _weights(tiny_model_dir)
     moved = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "update", url=url, config=CONFIG)
     assert _weights(moved) != _weights(tiny_model_dir)
+    dropped = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "drop", url=url,
+                          config=CONFIG.model_copy(update={"drop_flat_groups": True}))
+    metrics = json.loads((tmp_path / "drop" / "dvclive" / "metrics.json").read_text())
+    assert metrics["actor"]["skipped"] == 1.0
+    assert metrics["actor"]["dropped_trajectories"] == CONFIG.batch_items * CONFIG.n_samples
+    assert _weights(dropped) == _weights(tiny_model_dir)
+
+
+def test_dropping_flat_groups_updates_on_the_mixed_groups_only(env_server, bandit_warm_start, tmp_path) -> None:
+    """On the 50/50 bandit warm start with pairs of samples about half the groups are flat. The update sees
+    only the mixed ones: its trained tokens are theirs, and the flat trajectories are counted as dropped."""
+    config = CONFIG.model_copy(update={"drop_flat_groups": True, "sub_tasks": None, "batch_items": 8,
+                                       "mini_batch_size": 16, "micro_batch_size": 16, "max_new_tokens": 16})
+    out = tmp_path / "drop"
+    train_phase("bandit", 0, 1, 1, bandit_warm_start, out, url=env_server("bandit"), config=config)
+    metrics = json.loads((out / "dvclive" / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (out / "rollouts" / "step-000000.jsonl").read_text().splitlines()]
+    by_item: dict[str, set[float]] = {}
+    for row in rows:
+        by_item.setdefault(row["item_id"], set()).add(row["reward"])
+    flat = [item for item, rewards in by_item.items() if len(rewards) == 1]
+    assert 0 < len(flat) < len(by_item), by_item  # the seed gives both kinds
+    assert metrics["actor"]["flat_groups"] == len(flat)
+    assert metrics["actor"]["dropped_trajectories"] == len(flat) * config.n_samples
+    assert "skipped" not in metrics["actor"]
+    mixed_tokens = sum(row["agent_tokens"] for row in rows if row["item_id"] not in flat)
+    assert json.loads((out / "final" / "manifest.json").read_text())["cost"]["trained_tokens"] == mixed_tokens
+
+
+@pytest.mark.parametrize("update", [{"algorithm": "ppo"}, {"kl_in_reward": True}, {"backend": "deepspeed"}])
+def test_drop_flat_groups_refuses_what_it_cannot_serve(update: dict) -> None:
+    with pytest.raises(ValueError, match="drop_flat_groups"):
+        TrainConfig(drop_flat_groups=True, **update)
 
 
 def test_an_item_list_replaces_the_split_and_is_checked() -> None:

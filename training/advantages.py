@@ -39,20 +39,31 @@ def _scores(rewards: torch.Tensor) -> torch.Tensor:
     return rewards.sum(dim=-1)
 
 
+def flat_rows(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """A [B] bool mask of the trajectories whose group is flat: one sample, or every score equal.
+
+    GRPO and RLOO give such a group zero advantage, so its trajectories carry no policy gradient.
+    """
+    scores = _scores(rewards)
+    flat = torch.zeros_like(group, dtype=torch.bool)
+    for g in torch.unique(group):
+        members = group == g
+        s = scores[members]
+        flat[members] = bool(s.numel() < 2 or torch.all(s == s[0]))
+    return flat
+
+
 def grpo(rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor, eps: float = 1e-6
          ) -> tuple[torch.Tensor, int]:
     """GRPO advantages and the number of zero-variance groups (which get zero advantage)."""
     scores = _scores(rewards)
     adv = torch.zeros_like(scores)
-    flat = 0
-    for g in torch.unique(group):
+    flat_groups = flat_rows(rewards, group)
+    for g in torch.unique(group[~flat_groups]):
         members = group == g
         s = scores[members]
-        if s.numel() < 2 or torch.all(s == s[0]):
-            flat += 1
-            continue
         adv[members] = (s - s.mean()) / (s.std() + eps)
-    return adv[:, None] * mask, flat
+    return adv[:, None] * mask, len(torch.unique(group[flat_groups]))
 
 
 def rloo(rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,10 @@ class TrainConfig(BaseModel):
     skip_flat_steps: bool = Field(False, description="a step whose advantages are all zero (every group flat) "
                                   "makes no update; otherwise (verl's behaviour) Adam steps full-size along the "
                                   "KL and entropy terms alone, which can wreck a small SFT'd policy")
+    drop_flat_groups: bool = Field(False, description="GRPO/RLOO: leave the flat groups (every sample of the "
+                                   "item scored the same, so zero advantage) out of stage 2 and the update, as "
+                                   "DAPO's dynamic sampling does: the step's compute and its token-mean loss go to "
+                                   "the groups that carry a signal; a step with none makes no update")
     old_logprobs: Literal["sampler", "recompute"] = "recompute"
     gamma: float = 1.0
     lam: float = 1.0
@@ -58,6 +62,15 @@ class TrainConfig(BaseModel):
         if self.items is not None and (not self.items or self.sub_tasks):
             raise ValueError("items lists the item ids to train on: give a non-empty list, and no sub_tasks with "
                              "it (filter the list itself)")
+        if self.drop_flat_groups and self.algorithm not in ("grpo", "rloo"):
+            raise ValueError(f"drop_flat_groups applies to grpo and rloo, whose flat groups have zero advantage; "
+                             f"{self.algorithm} gives them a signal: set drop_flat_groups false")
+        if self.drop_flat_groups and self.kl_in_reward:
+            raise ValueError("drop_flat_groups decides on the outcome rewards, which kl_in_reward changes per "
+                             "token: use the KL loss (kl_in_reward false) with drop_flat_groups")
+        if self.drop_flat_groups and self.backend == "deepspeed":
+            raise ValueError("drop_flat_groups leaves each rank a different number of trajectories, so the "
+                             "ranks' gradient all-reduces would not line up: use it with the torch backend")
         if self.backend == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.backend_check)")

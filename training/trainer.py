@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from envs.splits import load_split
-from training.advantages import masked_mean
+from training.advantages import flat_rows, masked_mean
 from training.backends import make_backend
 from training.checkpoint import (
     MANIFEST,
@@ -218,7 +218,18 @@ class PhaseTrainer:
         valid = result.valid
         if not valid:  # every environment failed: nothing to learn from, and never a silent zero
             return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0}
-        exp = self.prepare(collate(valid, self.tokenizer.pad_token_id))
+        exp = collate(valid, self.tokenizer.pad_token_id)
+        flat_groups = None
+        if cfg.drop_flat_groups:  # before the log-prob passes, which flat groups would waste
+            flat = flat_rows(exp.rewards, exp.group)
+            flat_groups = len(torch.unique(exp.group[flat]))
+            stats["actor/dropped_trajectories"] = float(flat.sum())
+            if bool(flat.all()):
+                return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0, "actor/flat_groups": flat_groups}
+            exp = exp.select(torch.nonzero(~flat).squeeze(1))
+        exp = self.prepare(exp)
+        if flat_groups is not None:
+            exp.flat_groups = flat_groups
         t2 = time.perf_counter()
         if cfg.skip_flat_steps and not self._has_signal(exp):
             # every group flat (all samples of each item agree): no policy gradient; Adam would still take a

@@ -94,6 +94,7 @@ class Trajectory:
             "score": self.score,
             "success": self.success,
             "turns": len(self.turns),
+            "agent_tokens": sum(self.loss_mask),
             "termination": self.termination,
             "error": self.error,
             "conversation": self.messages,
