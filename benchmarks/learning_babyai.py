@@ -9,14 +9,17 @@ goal names: copy the goal's colour and type into its action. Items outside the c
 GRPO and no information for the evaluation, so they are left out of both.
 
 1. Warm start: SFT (--sft-epochs, 4) on the expert's episodes of the first --sft-items GoTo items of a pool that
-   no split holds (indices 2000-29999). Deliberately short: the policy then solves some items always,
+   no split holds (indices 2000-49999). Deliberately short: the policy then solves some items always,
    some never and many sometimes, so GRPO's groups are mixed and carry a signal.
 2. Greedy evaluation (temperature 0) of the warm start on held-out items (indices 900-1999, then
    50000 on; in neither split nor the pool).
-3. GRPO (flat steps skipped) for --steps steps at turn cap h from the warm start, on the rest of the
-   pool's items; greedy evaluation again on the same held-out items.
+3. GRPO for --steps steps at turn cap h from the warm start, on the rest of the pool's items (each seen
+   once): the flat groups (all samples right, or all wrong) are dropped from the update, so its compute
+   and its token-mean loss go to the groups that carry a signal. Greedy evaluation again on the same
+   held-out items.
 Prints success before and after with 95% bootstrap confidence intervals, and the paired bootstrap
-interval of the change (same items before and after).
+interval of the change (same items before and after). With --sft-colours the warm start sees only the
+goals of some colours, and the held-out items are also reported split by seen and unseen colours.
 """
 
 from __future__ import annotations
@@ -36,11 +39,18 @@ from envs.registry import load_backend
 from envs.splits import item_index
 from envs.testing import running_server
 from training.config_train import TrainConfig
-from training.evaluate import evaluate, paired_difference_ci
+from training.evaluate import EvalResult, evaluate, paired_difference_ci
 from training.sft import SFTConfig, sft
 from training.trainer import train_phase
 
 GOAL = re.compile(r"Your goal: go to (?:the|a) (.+)")
+COLOURS = ("red", "green", "blue", "purple", "yellow", "grey")
+
+
+def goal_colour(episode: list[dict[str, str]]) -> str | None:
+    """The colour word of the episode's goal ("go to the red ball" -> "red"), None if it names none."""
+    words = GOAL.search(episode[2]["content"]).group(1).split()
+    return words[0] if words[0] in COLOURS else None
 
 
 def goto_reply(first_observation: str, observation: str) -> str:
@@ -88,6 +98,9 @@ def main() -> None:
     parser.add_argument("--h", type=int, default=1, help="turn cap of the task, the SFT episodes and GRPO")
     parser.add_argument("--sft-items", type=int, default=3400, help="GoTo items of the pool the expert plays for SFT")
     parser.add_argument("--sft-epochs", type=int, default=4)
+    parser.add_argument("--sft-colours", default=",".join(COLOURS),
+                        help="SFT only on the episodes whose goal has one of these colours (comma-separated); the "
+                             "evaluation then reports the seen and unseen colours apart")
     parser.add_argument("--warm", default=None, help="reuse this warm-start folder instead of running SFT")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -106,14 +119,23 @@ def main() -> None:
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
     started = time.perf_counter()
-    # BabyAI's index space is unbounded; the splits draw from 0-899. Indices 2000-29999 are the training
+    # BabyAI's index space is unbounded; the splits draw from 0-899. Indices 2000-49999 are the training
     # pool (the first --sft-items for SFT, the rest for GRPO); 900-1999, then 50000 on, are held out.
     backend = load_backend("babyai")
-    pool = [f"babyai_{i}" for i in range(2000, 30_000) if backend.sub_task(i) == "GoTo"]
+    pool = [f"babyai_{i}" for i in range(2000, 50_000) if backend.sub_task(i) == "GoTo"]
     held_out = [f"babyai_{i}" for i in [*range(900, 2000), *range(50_000, 60_000)] if backend.sub_task(i) == "GoTo"]
-    sft_episodes = solvable(pool[: args.sft_items], args.h)
+    seen = set(args.sft_colours.split(","))
+    if not seen <= set(COLOURS):
+        parser.error(f"--sft-colours: {sorted(seen - set(COLOURS))} are not BabyAI colours {COLOURS}")
+    sft_episodes = {item: e for item, e in solvable(pool[: args.sft_items], args.h).items()
+                    if goal_colour(e) in seen}
     grpo_items = list(solvable(pool[args.sft_items:], args.h))
-    test = list(solvable(held_out[: 10 * args.eval_items], args.h))[: args.eval_items]
+    test_episodes = dict(list(solvable(held_out[: 10 * args.eval_items], args.h).items())[: args.eval_items])
+    test = list(test_episodes)
+    subsets = {"all": test}
+    if seen != set(COLOURS):
+        subsets["seen colours"] = [i for i in test if goal_colour(test_episodes[i]) in seen]
+        subsets["unseen colours"] = [i for i in test if goal_colour(test_episodes[i]) not in seen]
     print(f"task: GoTo items the expert solves within h={args.h} turns; {len(sft_episodes)} SFT episodes, "
           f"{len(grpo_items)} GRPO items, {len(test)} held-out items")
     if args.warm:
@@ -132,13 +154,18 @@ def main() -> None:
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
-    for name, result in (("warm start (SFT)", before), (f"after {args.steps} GRPO steps", after)):
-        low, high = result.success_ci()
-        print(f"{name:>24}: greedy success {result.success_rate:.1%} on {len(test)} held-out items "
-              f"(95% CI {low:.1%}-{high:.1%})")
-    diff, low, high = paired_difference_ci(before.item_success(), after.item_success())
-    verdict = "significant" if low > 0 else "not significant"
-    print(f"{'change':>24}: {diff:+.1%} (paired bootstrap 95% CI {low:+.1%} to {high:+.1%}: {verdict})")
+    for subset, items in subsets.items():
+        if subset != "all":
+            print(f"-- held-out items whose goal colour SFT {'saw' if subset == 'seen colours' else 'never saw'}:")
+        for name, result in (("warm start (SFT)", before), (f"after {args.steps} GRPO steps", after)):
+            part = EvalResult(success={i: result.success[i] for i in items}, reward={})
+            low, high = part.success_ci()
+            print(f"{name:>24}: greedy success {part.success_rate:.1%} on {len(items)} held-out items "
+                  f"(95% CI {low:.1%}-{high:.1%})")
+        diff, low, high = paired_difference_ci([float(before.success[i][0]) for i in items],
+                                               [float(after.success[i][0]) for i in items])
+        verdict = "significant" if low > 0 else "not significant"
+        print(f"{'change':>24}: {diff:+.1%} (paired bootstrap 95% CI {low:+.1%} to {high:+.1%}: {verdict})")
     print(f"total {time.perf_counter() - started:.0f} s; artifacts in {work} (the warm start: --warm {warm}; "
           f"GRPO metrics: {work / 'grpo' / 'dvclive'})")
 
