@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--drop-flat-groups", action=argparse.BooleanOptionalAction, default=True,
                         help="update on the mixed groups only (DAPO's dynamic sampling)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's mini-batches")
+    parser.add_argument("--seed", type=int, default=0, help="GRPO's seed (sampling, data order)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="learning-"))
@@ -154,7 +155,7 @@ def main() -> None:
                              max_new_tokens=24, lr=args.lr, temperature=args.temperature, top_p=args.top_p,
                              mini_batch_size=args.mini_batch, micro_batch_size=16, log_rollouts=False,
                              save_every=args.steps, skip_flat_steps=True, drop_flat_groups=args.drop_flat_groups,
-                             ppo_epochs=args.ppo_epochs, old_logprobs=args.old_logprobs)
+                             ppo_epochs=args.ppo_epochs, old_logprobs=args.old_logprobs, seed=args.seed)
         final = train_phase("babyai", 0, args.h, args.steps, warm, work / "grpo", config=config, url=url,
                             progress=True)
         after = evaluate(final, "babyai", url, test, h=args.h, max_new_tokens=24, batch_items=32)
