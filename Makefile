@@ -33,7 +33,7 @@ run: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env sciworld --profile smoke
 
 test: install check-browser
-	$(BIN)/python -m pytest -n 2 --durations=15
+	$(BIN)/python -m pytest -n 2 --maxschedchunk 1 --durations=15
 
 lint: install
 	$(BIN)/ruff check .

@@ -13,6 +13,34 @@ from envs.testing import running_server
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub (this machine has none)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in every test process, whatever ran before in it.
+
+    CPU results are bitwise reproducible only for a fixed thread count (the matmul reductions split by
+    thread). A fixture that set the count when first used made a test's numbers depend on which tests an
+    xdist worker had run before it; one thread also keeps two workers from oversubscribing two cores.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# The end-to-end files, longest first (measured, `make test` --durations): run first, the two xdist workers
+# each start on one and the short tests fill in around them, instead of one long test starting last.
+LONGEST_FIRST = ("test_flow", "test_pipeline", "test_deployment", "test_openworld_flow", "test_remote",
+                 "test_trainer", "test_backends", "test_sciworld")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first (the end-to-end files longest first), every other test after them in file order."""
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = item.path.stem
+        order = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (0 if item.get_closest_marker("slow") else 1, order)
+
+    items.sort(key=rank)  # stable: within a rank, the collection order
+
+
 @pytest.fixture(scope="session")
 def env_server() -> Iterator[Callable[[str], str]]:
     """``env_server("babyai")`` -> base URL of a session-wide server for that environment."""
@@ -41,11 +69,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_model_dir):
     """(model, tokenizer) of the tiny policy, loaded once."""
-    import torch
-
     from training.model import load_policy
 
-    torch.set_num_threads(1)
     model, tokenizer = load_policy(tiny_model_dir)
     return model.eval(), tokenizer
 

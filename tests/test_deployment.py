@@ -33,9 +33,27 @@ def _stop(proc: subprocess.Popen, signals: tuple[int, ...]) -> None:
         proc.wait()
 
 
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll ``url`` every 0.5 s until it answers 200; fail naming what did not come up, with its log."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, f"the Prefect server exited ({server.returncode}):\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, \
+            f"the Prefect server did not answer {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # under 2x load; the steps below have their own, smaller budgets and clear messages
 def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
-    work = _workspace(tmp_path)
+    # three one-step phases: this test is about the deployment path (server, worker, pull step, lineage
+    # commit); the smoke run itself is tested once, in test_flow
+    work = _workspace(tmp_path, one_step_phases=3)
     port = free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
            "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
@@ -49,31 +67,28 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         return subprocess.Popen([str(BIN / "prefect"), *cmd], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
-    def prefect(*cmd: str, timeout: float = 120) -> str:
-        done = subprocess.run([str(BIN / "prefect"), *cmd], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+    def prefect(*cmd: str, timeout: float = 300) -> str:
+        try:
+            done = subprocess.run([str(BIN / "prefect"), *cmd], cwd=work, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            worker_log = logs / "worker.log"
+            raise AssertionError(f"prefect {' '.join(cmd)} did not finish within {timeout:.0f} s; worker log:\n"
+                                 f"{worker_log.read_text()[-3000:] if worker_log.exists() else '(no worker)'}"
+                                 ) from err
         assert done.returncode == 0, f"prefect {' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout + done.stderr
 
     server = start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port))
     worker = None
     try:
-        deadline = time.monotonic() + 90  # measured: ready in ~15 s, slower under load
-        while True:
-            assert server.poll() is None, (logs / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the Prefect server did not start within 90 s"
-            time.sleep(1)
+        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server, logs / "server.log", 180)  # ~15 s quiet
         prefect("work-pool", "create", "scalinginter-cpu", "--type", "process")
         deployed = prefect("--no-prompt", "deploy", "--all")
         for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch"):
             assert f"scalinginter/{name}" in deployed
         worker = start("worker", "worker", "start", "--pool", "scalinginter-cpu")
-        run = prefect("deployment", "run", "scalinginter/babyai", "--watch", timeout=1200)
+        run = prefect("deployment", "run", "scalinginter/babyai", "--watch", timeout=1200)  # ~2 min quiet
         assert "Completed" in run, run[-3000:]
     finally:
         if worker is not None:

@@ -1,4 +1,11 @@
-"""The trainers learn: on the bandit (one action pays), RL after a 50/50 SFT warm start raises success."""
+"""The trainers learn: on the bandit (one action pays), RL after a 50/50 SFT warm start raises success.
+
+The setting is chosen to sit far from any knife edge (measured over 8 training seeds per algorithm, see
+the README's test notes): lr 3e-4 over 12 steps, and no update on a step whose groups all agree. At lr 1e-3
+the tiny policy learns "right" within 3-4 steps and then wrecks itself on the steps after: with every
+group flat, Adam's momentum keeps pushing the "right" logit up everywhere ("right right right ...") until
+success falls to 0, so the outcome depended on the step at which the run converged.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,11 @@ import pytest
 from envs.splits import load_split
 from tests.conftest import bandit_conversation
 from training.config_train import TrainConfig
-from training.evaluate import evaluate
+from training.evaluate import evaluate, paired_difference_ci
 from training.sft import to_trajectory
 from training.trainer import train_phase
+
+EVAL = {"h": 1, "k": 8, "temperature": 1.0, "max_new_tokens": 16}  # 16 items x 8 samples
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +40,13 @@ def test_sft_trains_only_the_agents_reply(tiny_policy) -> None:
 def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path, env_server, tmp_path) -> None:
     url = env_server("bandit")
     test = [r["item_id"] for r in load_split("bandit", "test")]
-    before = evaluate(warm_start, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)
-    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=1e-3, kl_coef=0,
-                         mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
-    final = train_phase("bandit", 0, 1, 8, warm_start, tmp_path, config=config, url=url)
-    after = evaluate(final, "bandit", url, test, h=1, k=4, temperature=1.0, max_new_tokens=16)
-    assert 0.2 < before.success_rate < 0.8  # the warm start is undecided
-    assert after.success_rate >= 0.8 and after.success_rate > before.success_rate + 0.2, (before, after)
+    before = evaluate(warm_start, "bandit", url, test, **EVAL)
+    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=3e-4, kl_coef=0,
+                         skip_flat_steps=True, mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
+    final = train_phase("bandit", 0, 1, 12, warm_start, tmp_path, config=config, url=url)
+    after = evaluate(final, "bandit", url, test, **EVAL)
+    assert 0.2 < before.success_rate < 0.8, before  # the warm start is undecided
+    gain, low, _ = paired_difference_ci(before.item_success(), after.item_success())
+    # measured after 12 steps: 0.81-0.94 over seeds 0-7 of every algorithm, from 0.625 (a run that does not
+    # learn, lr 1e-9, stays at 0.625 with a paired interval around 0 and fails both checks)
+    assert after.success_rate >= 0.75 and low > 0, (before.success_rate, after.success_rate, gain, low)

@@ -15,7 +15,7 @@ from tests.test_pipeline import _sh, _workspace
 @pytest.mark.slow
 @pytest.mark.parametrize("env", ["deepsearch", pytest.param("webarena", marks=pytest.mark.browser)])
 def test_main_job_runs_the_open_world_environments(env: str, tmp_path) -> None:
-    work = _workspace(tmp_path, envs=env)
+    work = _workspace(tmp_path, envs=env, one_step_phases=3)  # the smoke run's full scale: test_flow
     cmd = [str(Path(sys.executable).parent / "scalinginter"), "run", "--env", env, "--profile", "smoke"]
     environ = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),

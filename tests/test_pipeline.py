@@ -46,8 +46,13 @@ def test_changing_one_phase_changes_only_it_and_later_phases() -> None:
     assert before["phase_1"] != after["phase_1"] and before["phase_2"] != after["phase_2"]
 
 
-def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo") -> Path:
-    """A copy of the working tree in its own git repository, with the pipeline on ``envs``' smoke curricula."""
+def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo", one_step_phases: int | None = None) -> Path:
+    """A copy of the working tree in its own git repository, with the pipeline on ``envs``' smoke curricula.
+
+    ``one_step_phases=N`` shortens each of those curricula to N phases of one step and the evaluation to two
+    items x one sample: for tests of what runs the stages (DVC, Prefect, S3), not of the smoke run itself,
+    which test_flow covers at full smoke scale.
+    """
     ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "cache", "tmp", "__pycache__",
                                     ".pytest_cache",
                                     ".hypothesis", ".ruff_cache", "*.egg-info")
@@ -55,11 +60,27 @@ def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo") -> Path
     shutil.copytree(ROOT, work, ignore=ignore)
     params = re.sub(r"(?m)^  envs: \[[^\]]*\]", f"  envs: [{envs}]", (work / "params.yaml").read_text())
     assert f"envs: [{envs}]" in params
+    if one_step_phases is not None:
+        params = _one_step_phases(params, envs.split(","), one_step_phases)
     (work / "params.yaml").write_text(params)
     _sh(work, "scalinginter", "pipeline")
     for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
         _sh(work, "git", *args)
     return work
+
+
+def _one_step_phases(params: str, envs: list[str], phases: int) -> str:
+    """``params`` (params.yaml's text, comments kept) with each env's smoke curriculum cut to ``phases``
+    one-step phases and the smoke evaluation to two items x one sample."""
+    for env in envs:
+        section = re.search(rf"(?ms)^  {env}:\n.*?^      (smoke: \{{[^}}]*\}})", params)
+        assert section is not None, f"no smoke curriculum for {env} in params.yaml"
+        smoke = re.sub(r"every: \d+", "every: 1", section.group(1))
+        smoke = re.sub(r"total_steps: \d+", f"total_steps: {phases}", smoke)
+        params = params[:section.start(1)] + smoke + params[section.end(1):]
+    evaluation = re.sub(r"(?m)^(  smoke: \{)items: \d+, k: \d+,", r"\1items: 2, k: 1,", params, count=1)
+    assert evaluation != params, "no smoke evaluation in params.yaml"
+    return evaluation
 
 
 def _sh(cwd: Path, *cmd: str) -> str:
@@ -76,7 +97,7 @@ def _ran(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_path) -> None:
-    work = _workspace(tmp_path)
+    work = _workspace(tmp_path, one_step_phases=3)
     first = _sh(work, "dvc", "repro")
     assert {"build_model", "babyai_phase_0", "babyai_phase_1", "babyai_phase_2", "babyai_eval",
             "babyai_report"} <= set(_ran(first))
@@ -86,9 +107,9 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     assert "const DATA = {" in (work / "reports/babyai.html").read_text()
     assert _ran(_sh(work, "dvc", "repro")) == []  # a second repro does nothing
     params = (work / "params.yaml").read_text()
-    smoke = "smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}"
+    smoke = "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 3}"
     assert params.count(smoke) >= 1
-    (work / "params.yaml").write_text(params.replace(smoke, "smoke: {h1: 2, delta_h: 3, every: 2, total_steps: 6}",
+    (work / "params.yaml").write_text(params.replace(smoke, "smoke: {h1: 2, delta_h: 3, every: 1, total_steps: 3}",
                                                      1))
     _sh(work, "scalinginter", "pipeline")
     third = _ran(_sh(work, "dvc", "repro"))
@@ -121,12 +142,9 @@ def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps() -> None:
 
 @pytest.mark.slow
 def test_fixed_h_baselines_run_and_reach_the_report(tmp_path) -> None:
-    work = _workspace(tmp_path)
+    work = _workspace(tmp_path, one_step_phases=2)
     params = (work / "params.yaml").read_text()
-    params = params.replace("  baselines: false", "  baselines: true", 1)
-    params = params.replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
-                            "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 2}", 1)  # babyai: 2 one-step phases
-    (work / "params.yaml").write_text(params)
+    (work / "params.yaml").write_text(params.replace("  baselines: false", "  baselines: true", 1))
     _sh(work, "scalinginter", "pipeline")
     ran = _ran(_sh(work, "dvc", "repro", "babyai_report"))
     assert {"babyai_fixed_h6", "babyai_fixed_h20", "babyai_fixed_h6_eval", "babyai_fixed_h20_eval"} <= set(ran)
