@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -56,14 +57,18 @@ def env_server() -> Iterator[Callable[[str], str]]:
         yield get
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
-    """The tiny default policy, built once per test session from a small expert corpus."""
+def build_test_model(out: Path) -> Path:
+    """The tiny default policy built from a small expert corpus (the tests' and the bandit benchmark's)."""
     from envs.corpus import expert_corpus
     from training.model import build_tiny
 
-    out = tmp_path_factory.mktemp("tiny-model")
     return build_tiny(list(expert_corpus({"babyai": 2, "textcraft": 2})), out, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny default policy, built once per test session."""
+    return build_test_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
@@ -85,11 +90,15 @@ def bandit_conversation(arm: str) -> list[dict[str, str]]:
             {"role": "assistant", "content": f"Thought: pick one.\nAction: {arm}"}]
 
 
-@pytest.fixture(scope="session")
-def bandit_warm_start(tiny_model_dir, tmp_path_factory):
+def build_bandit_warm_start(tiny_model: Path, out: Path) -> Path:
     """The tiny model after SFT on as many 'left' as 'right' replies: it picks either, about evenly."""
     from training.sft import SFTConfig, sft
 
-    out = tmp_path_factory.mktemp("bandit") / "sft"
-    return sft(tiny_model_dir, out, [bandit_conversation("left"), bandit_conversation("right")] * 8,
+    return sft(tiny_model, out, [bandit_conversation("left"), bandit_conversation("right")] * 8,
                SFTConfig(epochs=30, lr=2e-3, batch_size=8))
+
+
+@pytest.fixture(scope="session")
+def bandit_warm_start(tiny_model_dir, tmp_path_factory):
+    """See ``build_bandit_warm_start``; built once per test session."""
+    return build_bandit_warm_start(tiny_model_dir, tmp_path_factory.mktemp("bandit") / "sft")

@@ -1,10 +1,11 @@
 """The trainers learn: on the bandit (one action pays), RL after a 50/50 SFT warm start raises success.
 
-The setting is chosen to sit far from any knife edge (measured over 8 training seeds per algorithm, see
-the README's test notes): lr 3e-4 over 12 steps, and no update on a step whose groups all agree. At lr 1e-3
-the tiny policy learns "right" within 3-4 steps and then wrecks itself on the steps after: with every
-group flat, Adam's momentum keeps pushing the "right" logit up everywhere ("right right right ...") until
-success falls to 0, so the outcome depended on the step at which the run converged.
+The setting sits far from any knife edge (measured over 8 training seeds per algorithm by
+``benchmarks/bandit_learning_seeds.py``, figures in the README): lr 3e-4 over 12 steps, and no update on a
+step whose groups all agree. At lr 1e-3 the tiny policy learns "right" within 3-4 steps and then wrecks
+itself on the steps after: with every group flat, Adam's momentum keeps pushing the "right" logit up
+everywhere ("right right right ...") until success falls to 0, so the outcome depended on the step at
+which the run converged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from training.sft import to_trajectory
 from training.trainer import train_phase
 
 EVAL = {"h": 1, "k": 8, "temperature": 1.0, "max_new_tokens": 16}  # 16 items x 8 samples
+STEPS = 12
+
+
+def bandit_config(algorithm: str, seed: int = 0, lr: float = 3e-4) -> TrainConfig:
+    """The learning test's trainer settings (also run over many seeds by benchmarks/bandit_learning_seeds.py)."""
+    return TrainConfig(algorithm=algorithm, seed=seed, batch_items=4, n_samples=4, max_new_tokens=16, lr=lr,
+                       kl_coef=0, skip_flat_steps=True, mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +49,7 @@ def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path,
     url = env_server("bandit")
     test = [r["item_id"] for r in load_split("bandit", "test")]
     before = evaluate(warm_start, "bandit", url, test, **EVAL)
-    config = TrainConfig(algorithm=algorithm, batch_items=4, n_samples=4, max_new_tokens=16, lr=3e-4, kl_coef=0,
-                         skip_flat_steps=True, mini_batch_size=16, micro_batch_size=16, log_rollouts=False)
-    final = train_phase("bandit", 0, 1, 12, warm_start, tmp_path, config=config, url=url)
+    final = train_phase("bandit", 0, 1, STEPS, warm_start, tmp_path, config=bandit_config(algorithm), url=url)
     after = evaluate(final, "bandit", url, test, **EVAL)
     assert 0.2 < before.success_rate < 0.8, before  # the warm start is undecided
     gain, low, _ = paired_difference_ci(before.item_success(), after.item_success())
