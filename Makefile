@@ -32,8 +32,11 @@ check-browser:
 run: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env sciworld --profile smoke
 
+# Two xdist workers, one test at a time each (the slow tests first, see tests/conftest.py);
+# `make test XDIST="-p no:xdist"` runs the suite sequentially in one process.
+XDIST ?= -n 2 --maxschedchunk 1
 test: install check-browser
-	$(BIN)/python -m pytest -n 2 --maxschedchunk 1 --durations=15
+	$(BIN)/python -m pytest $(XDIST) --durations=15
 
 lint: install
 	$(BIN)/ruff check .
