@@ -307,6 +307,14 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+# Idle keep-alive connections stay open this long on every server of the project. Clients pool connections
+# and drop idle ones after their own expiry (httpx: 5 s); a server that closes first (uvicorn's default is
+# also 5 s) races a client sending its next request on the same connection, which then fails with
+# "connection reset by peer" (seen in the test suite under load). Outliving the clients' expiry removes
+# the race: the client always closes an idle connection before the server would.
+KEEP_ALIVE_S = 75
+
+
 def serve(
     env: str,
     host: str = "127.0.0.1",
@@ -326,7 +334,7 @@ def serve(
 
     app = create_app(load_backend(env, **(options or {})), max_instances=max_instances, idle_ttl_s=idle_ttl_s,
                      token=token, max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def main(argv: list[str] | None = None) -> None:

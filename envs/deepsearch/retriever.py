@@ -155,6 +155,8 @@ def build_index(method: str, corpus: str = "world", encoder: str | None = None, 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from envs.server import KEEP_ALIVE_S
+
     parser = argparse.ArgumentParser(description="Deep Search retriever server")
     parser.add_argument("--method", default="bm25", choices=["bm25", "dense"])
     parser.add_argument("--corpus", default="world", help="'world' or a FlashRAG JSONL corpus")
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args(argv)
     index = build_index(args.method, args.corpus, args.encoder, args.query_prefix, args.doc_prefix)
-    uvicorn.run(create_app(index, args.method), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(index, args.method), host=args.host, port=args.port, log_level="warning",
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

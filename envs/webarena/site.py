@@ -309,11 +309,14 @@ def create_app() -> FastAPI:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from envs.server import KEEP_ALIVE_S
+
     parser = argparse.ArgumentParser(description="the shop and forum sites for local WebArena tasks")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(argv)
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="warning",
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":
