@@ -17,9 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub (t
 def pytest_configure(config: pytest.Config) -> None:
     """One torch thread in every test process, whatever ran before in it.
 
-    CPU results are bitwise reproducible only for a fixed thread count (the matmul reductions split by
-    thread). A fixture that set the count when first used made a test's numbers depend on which tests an
-    xdist worker had run before it; one thread also keeps two workers from oversubscribing two cores.
+    CPU results can depend on the thread count (reductions split by thread), and a fixture that set the
+    count when first used made it depend on which tests an xdist worker had run before; one thread also
+    keeps two workers from oversubscribing two cores.
     """
     import torch
 
