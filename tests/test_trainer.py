@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from envs.testing import ROOT
+from envs.testing import ROOT, running_server
 from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest
 from training.config_train import TrainConfig
 from training.trainer import train_phase
@@ -60,8 +60,12 @@ def _weights(folder: Path) -> bytes:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_phase_and_across_a_phase_boundary_resumes_bitwise(env_server, tiny_model_dir, tmp_path) -> None:
-    url = env_server("babyai")
+def test_sigkill_mid_phase_and_across_a_phase_boundary_resumes_bitwise(tiny_model_dir, tmp_path) -> None:
+    with running_server("babyai") as url:  # its own server: a killed phase leaves its episodes open until reaped
+        _sigkill_and_resume(url, tiny_model_dir, tmp_path)
+
+
+def _sigkill_and_resume(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     # uninterrupted: phase 0 (h=2, 2 steps) then phase 1 (h=4, 3 steps)
     _run(_train_cmd(url, tiny_model_dir, tmp_path / "a0", 0, 2, 2))
     _run(_train_cmd(url, tmp_path / "a0" / "final", tmp_path / "a1", 1, 4, 3))
