@@ -6,13 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from envs.testing import free_port
+from envs.testing import free_port, wait_healthy
 from tests.test_pipeline import _workspace
 
 BIN = Path(sys.executable).parent
@@ -31,21 +29,6 @@ def _stop(proc: subprocess.Popen, signals: tuple[int, ...]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Poll ``url`` every 0.5 s until it answers 200; fail naming what did not come up, with its log."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert server.poll() is None, f"the Prefect server exited ({server.returncode}):\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, \
-            f"the Prefect server did not answer {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -82,7 +65,10 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
     server = start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port))
     worker = None
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server, logs / "server.log", 180)  # ~15 s quiet
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/api", server, 180)  # ~15 s quiet
+        except (RuntimeError, TimeoutError) as err:
+            raise AssertionError(f"the Prefect server: {err}\n{(logs / 'server.log').read_text()[-3000:]}") from err
         prefect("work-pool", "create", "scalinginter-cpu", "--type", "process")
         deployed = prefect("--no-prompt", "deploy", "--all")
         for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch"):
