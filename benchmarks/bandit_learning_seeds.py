@@ -40,8 +40,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # as in the tests: bitwise reproducible
+    from envs.launcher import running_server
     from envs.splits import load_split
-    from envs.testing import running_server
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL, STEPS, bandit_config
     from training.evaluate import evaluate, paired_difference_ci

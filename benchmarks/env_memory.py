@@ -16,7 +16,7 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from envs.testing import running_server
+from envs.launcher import running_server
 
 
 def cycle(http: httpx.Client, data_idx: int) -> None:

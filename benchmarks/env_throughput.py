@@ -23,8 +23,8 @@ import time
 import httpx
 
 from envs.client import step_many
+from envs.launcher import running_server
 from envs.registry import async_client_class, client_class, load_backend
-from envs.testing import running_server
 
 ACTIONS = ("turn left", "turn right", "move forward")
 

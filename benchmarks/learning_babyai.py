@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from envs.babyai.client import Spec
+from envs.launcher import running_server
 from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
 from envs.splits import item_index
-from envs.testing import running_server
 from training.config_train import TrainConfig
 from training.evaluate import EvalResult, evaluate, paired_difference_ci
 from training.sft import SFTConfig, sft

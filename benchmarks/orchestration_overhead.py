@@ -59,7 +59,7 @@ def main() -> None:
     sh(work, "dvc", "repro", "build_model", f"splits@{args.env}")  # warm-up: not per-phase work
     print(f"warm-up (base model, splits): {time.perf_counter() - started:.0f} s")
 
-    from envs.testing import running_server
+    from envs.launcher import running_server
     from flows.scalinginter_flow import scalinginter
     from training.config import curriculum_config, train_config
     from training.trainer import train_phase

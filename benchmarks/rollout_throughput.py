@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from envs.corpus import expert_corpus
+from envs.launcher import running_server
 from envs.splits import load_split
-from envs.testing import running_server
 from training.engine import HFEngine, SamplingParams
 from training.model import build_tiny, load_policy
 from training.rollout import Rollout, RolloutConfig

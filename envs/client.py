@@ -73,6 +73,17 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def env_http(base_url: str, *, token: str | None = None, timeout: float = 120.0) -> httpx.Client:
+    """The one way to open an HTTP session to an environment server: ``token`` (default: the
+    ``SCALINGINTER_ENV_TOKEN`` environment variable) is sent as a bearer token on every request."""
+    return httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(token))
+
+
+def async_env_http(base_url: str, *, token: str | None = None, timeout: float = 120.0) -> httpx.AsyncClient:
+    """:func:`env_http` for asyncio."""
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(token))
+
+
 def _check(response: httpx.Response) -> Any:
     if response.is_success:
         return response.json()
@@ -91,9 +102,9 @@ def _check(response: httpx.Response) -> Any:
 def server_capacity(url: str, token: str | None = None, timeout: float = 30.0) -> int | None:
     """How many live instances the server at ``url`` holds at once (its /health ``capacity``: SciWorld's JVM
     pool, WebArena's browser contexts); None when it sets no bound."""
-    path = f"{url.rstrip('/')}/health"
     try:
-        health = _check(httpx.get(path, headers=_headers(token), timeout=timeout))
+        with env_http(url.rstrip("/"), token=token, timeout=timeout) as http:
+            health = _check(http.get("/health"))
     except httpx.TransportError as err:
         raise _transport_error("GET", "/health", url, err) from err
     capacity = health.get("capacity") if isinstance(health, dict) else None
@@ -162,7 +173,7 @@ class BaseEnvClient(ClientLogic):
         timeout: float = 120.0,
         http: httpx.Client | None = None,
     ) -> None:
-        self.http = http or httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(token))
+        self.http = http or env_http(base_url, token=token, timeout=timeout)
         self._owns_http = http is None
         self.id = int(self._post("/create", {})["id"])
 
@@ -225,7 +236,7 @@ class AsyncBaseEnvClient(ClientLogic):
         http: httpx.AsyncClient | None = None,
     ) -> AsyncBaseEnvClient:
         self = cls()
-        self.http = http or httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(token))
+        self.http = http or async_env_http(base_url, token=token, timeout=timeout)
         self._owns_http = http is None
         self.id = int((await self._post("/create", {}))["id"])
         return self

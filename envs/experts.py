@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import httpx
 from tqdm import tqdm
 
+from envs.client import env_http
+from envs.launcher import running_server
 from envs.registry import client_class, expert
 from envs.splits import item_index, load_split
-from envs.testing import running_server
 
 
 @dataclass
@@ -60,7 +60,7 @@ def run_experts(
     solve, cls = expert(env), client_class(env)
     report = ExpertReport(env)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    with _server(env, url) as base, httpx.Client(base_url=base, timeout=300.0) as http:
+    with _server(env, url) as base, env_http(base, timeout=300.0) as http:
 
         def play(item: dict) -> bool:
             client = cls(base, http=http)

@@ -14,11 +14,19 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def project_root() -> Path:
-    """``$SCALINGINTER_ROOT``, else the current directory when it is a project (params.yaml and dvc.yaml),
-    else the installed package's root."""
+    """The working copy being run.
+
+    Under DVC (``DVC_STAGE`` is set for a stage's command) it is the stage's working directory, where DVC runs
+    the command: the working copy itself, or the temporary copy of an experiment run with ``--temp`` or from
+    the queue. (DVC's ``DVC_ROOT`` names the parent repository there, not the copy being run, so it is not
+    used, and neither is ``SCALINGINTER_ROOT``, which a worker's environment may carry into the stage.)
+    Otherwise ``$SCALINGINTER_ROOT``, else the current directory when it is a project (params.yaml and
+    dvc.yaml), else the installed package's root."""
+    cwd = Path.cwd()
+    if os.environ.get("DVC_STAGE"):
+        return cwd
     if os.environ.get("SCALINGINTER_ROOT"):
         return Path(os.environ["SCALINGINTER_ROOT"])
-    cwd = Path.cwd()
     if (cwd / "params.yaml").exists() and (cwd / "dvc.yaml").exists():
         return cwd
     return PACKAGE_ROOT

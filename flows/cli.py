@@ -8,8 +8,9 @@
     scalinginter curriculum babyai --profile paper   # the configured phase table
     scalinginter build-corpus                        # record the tokenizer corpus (committed)
     scalinginter build-model --preset tiny           # the default policy, built locally from it
+    scalinginter exp-run -S curriculum.babyai.profiles.smoke.h1=3 --queue   # a DVC experiment of any setting
     scalinginter sft babyai --sub-task GoTo          # optional SFT warm start on expert episodes
-    scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --init models/tiny --out runs/babyai/phase-0
+    scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --out runs/babyai/phase-0   # from models/<preset>
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def demo(
     data_idx: Annotated[int, typer.Option(help="task index to play")] = 0,
 ) -> None:
     """Start an environment server, play one expert episode against it through HTTP, print the transcript."""
+    from envs.launcher import running_server
     from envs.registry import client_class, expert
-    from envs.testing import running_server
 
     _check_env(env)
     console.print(f"starting the {env} environment server (a subprocess on a free localhost port)")
@@ -194,27 +195,35 @@ def build_corpus(
 
 @app.command("build-model")
 def build_model(
-    preset: Annotated[str, typer.Option(help="tiny (built locally); hub presets load by id instead")] = "tiny",
-    out: Annotated[str, typer.Option(help="folder to write the HF model into")] = "models/tiny",
-    seed: Annotated[int, typer.Option(help="seed of the random init")] = 0,
+    preset: Annotated[str, typer.Option(help="tiny (built locally) or a hub preset (downloaded once)")] = "tiny",
+    out: Annotated[str | None, typer.Option(help="folder to write the HF model into (default models/<preset>)")]
+    = None,
+    seed: Annotated[int, typer.Option(help="seed of the random init (built presets)")] = 0,
     corpus: Annotated[str, typer.Option(help="tokenizer corpus (see build-corpus)")] = "data/tokenizer_corpus.json.gz",
 ) -> None:
-    """Build the default policy locally: a tokenizer trained on environment text and a tiny random Qwen2."""
+    """The base model as a folder: the tiny policy built locally (a tokenizer trained on environment text and a
+    random Qwen2), or a hub preset's weights and tokenizer written once (needs the hub, or its cache)."""
     from pathlib import Path
 
     from envs.corpus import read_corpus
-    from training.model import PRESETS, build_tiny
+    from training.layout import base_model
+    from training.model import PRESETS, build_tiny, materialize_hub
 
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    target = Path(out) if out else base_model(preset)
     if PRESETS[preset].hub_id is not None:
-        _fail(f"preset {preset!r} is the hub model {PRESETS[preset].hub_id}: pass it to training directly, "
-              "nothing to build")
+        try:
+            path = materialize_hub(preset, target)
+        except OSError as err:
+            _fail(str(err))
+        console.print(f"wrote {PRESETS[preset].hub_id} to {path}")
+        return
     try:
         texts = read_corpus(Path(corpus))
     except (FileNotFoundError, ValueError) as err:
         _fail(str(err))
-    path = build_tiny(texts, Path(out), seed=seed, preset=PRESETS[preset])
+    path = build_tiny(texts, target, seed=seed, preset=PRESETS[preset])
     console.print(f"wrote {preset} model to {path} ({len(texts)} corpus texts from {corpus})")
 
 
@@ -224,26 +233,26 @@ def train_phase_cmd(
     phase: Annotated[int, typer.Option(help="curriculum phase index")] = 0,
     h: Annotated[int, typer.Option(help="turn cap of this phase")] = 2,
     steps: Annotated[int, typer.Option(help="training steps of this phase")] = 2,
-    init: Annotated[str, typer.Option(help="base model or the previous phase's final checkpoint")] = "models/tiny",
+    init: Annotated[str | None, typer.Option(help="base model or the previous phase's final checkpoint "
+                                                  "(default: models/<model.preset>)")] = None,
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL (default: start one)")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable; ad-hoc "
+                                                                  "runs only: a pipeline's settings live in "
+                                                                  "params.yaml)")] = None,
     profile: Annotated[str | None, typer.Option(help="params.yaml train profile (default: curriculum.profile)")]
     = None,
 ) -> None:
     """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly.
 
-    Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then SCALINGINTER_DEVICE
-    and SCALINGINTER_TRAIN_SET (space-separated field=value, e.g. from a work pool), then ``--set``.
-    SCALINGINTER_NPROC > 1 relaunches the command under torchrun with that many processes."""
-    import contextlib
-    import json
+    Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then ``--set``; the server it
+    starts when no URL is given: ``env_server``. Machine placement only from the environment:
+    SCALINGINTER_DEVICE (cpu, cuda, npu ...) and SCALINGINTER_NPROC (> 1 relaunches under torchrun)."""
     from pathlib import Path
 
-    from envs.testing import running_server
-    from training.config import ConfigError, train_config
-    from training.trainer import train_phase
+    from training.config import ConfigError, PhaseSpec, base_model_dir, load_params, server_config, train_config
+    from training.phase import run_phase
 
     _check_env(env)
     nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
@@ -254,33 +263,41 @@ def train_phase_cmd(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "flows.cli", *sys.argv[1:]]
         raise typer.Exit(subprocess.call(cmd))
-    overrides = {}
-    # a work pool's job variables: SCALINGINTER_TRAIN_SET adds --set pairs, SCALINGINTER_DEVICE the device
-    pairs = os.environ.get("SCALINGINTER_TRAIN_SET", "").split() + list(set_ or [])
-    if os.environ.get("SCALINGINTER_DEVICE"):
-        pairs.insert(0, f"device={os.environ['SCALINGINTER_DEVICE']}")
+    try:
+        overrides = _pairs(set_ or [])
+        if os.environ.get("SCALINGINTER_DEVICE"):  # placement, from a work pool's job variables
+            overrides["device"] = os.environ["SCALINGINTER_DEVICE"]
+        params = load_params()
+        spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
+                         init=Path(init) if init else base_model_dir(params),
+                         train=train_config(env, profile, overrides, params), server=server_config(env, params))
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+    final = run_phase(spec, url, progress=True)
+    console.print(f"phase {phase} (h={h}) done: {final}")
+
+
+def _pairs(pairs: list[str]) -> dict[str, object]:
+    """``field=value`` strings as a dict; values parsed as JSON where they are (numbers, lists, booleans)."""
+    import json
+
+    out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            _fail(f"--set {pair!r} must look like field=value")
+            raise ValueError(f"--set {pair!r} must look like field=value")
         try:
-            overrides[key] = json.loads(value)
+            out[key] = json.loads(value)
         except json.JSONDecodeError:
-            overrides[key] = value
-    try:
-        config = train_config(env, profile, overrides)
-    except ConfigError as err:
-        _fail(str(err))
-    with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_server(env))
-        final = train_phase(env, phase, h, steps, Path(init), Path(out), config=config, url=base, progress=True)
-    console.print(f"phase {phase} (h={h}) done: {final}")
+            out[key] = value
+    return out
 
 
 @app.command()
 def sft(
     env: EnvArg,
-    init: Annotated[str, typer.Option(help="model folder to fine-tune")] = "models/tiny",
+    init: Annotated[str | None, typer.Option(help="model folder to fine-tune (default: models/<model.preset>)")]
+    = None,
     out: Annotated[str, typer.Option(help="checkpoint folder to write")] = "runs/sft",
     episodes: Annotated[int, typer.Option(help="expert episodes from the training split")] = 64,
     sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
@@ -290,13 +307,15 @@ def sft(
     """Warm-start a policy by SFT on expert episodes (optional; the paper's presets use no SFT)."""
     from pathlib import Path
 
+    from training.config import base_model_dir, load_params
     from training.sft import SFTConfig, expert_conversations, sft_items
     from training.sft import sft as run_sft
 
     _check_env(env)
     with console.status(f"playing {episodes} {env} expert episodes"):
         conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
-    path = run_sft(Path(init), Path(out), conversations, SFTConfig(epochs=epochs, lr=lr), progress=True)
+    source = Path(init) if init else base_model_dir(load_params())
+    path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr), progress=True)
     console.print(f"SFT on {len(conversations)} episodes -> {path}")
 
 
@@ -304,17 +323,57 @@ def sft(
 def pipeline(check: Annotated[bool, typer.Option(help="only check that they agree with params.yaml")] = False
              ) -> None:
     """Write phases.yaml and dvc.yaml from params.yaml (one DVC stage per curriculum phase)."""
-    from flows.pipeline import check as check_files
-    from flows.pipeline import write
+    from flows.dvc_pipeline import check as check_files
+    from flows.dvc_pipeline import write
 
     if check:
         stale = check_files()
         if stale:
-            _fail(f"{', '.join(stale)} disagree with params.yaml: run `scalinginter pipeline`")
+            _fail(f"{', '.join(stale)} disagree with params.yaml (its curriculum, pipeline or model.preset "
+                  "changed): run `scalinginter pipeline`, then `dvc repro` or `dvc exp run` (`dvc exp run -S` of "
+                  "those keys cannot regenerate the files; `scalinginter exp-run -S` does)")
         console.print("phases.yaml and dvc.yaml agree with params.yaml")
         return
     changed = write()
     console.print(f"wrote {', '.join(p.name for p in changed)}" if changed else "already up to date")
+
+
+@app.command("exp-run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exp_run(
+    ctx: typer.Context,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-S", help="params.yaml key=value (repeatable)")] = None,
+) -> None:
+    """``dvc exp run`` for any params.yaml key, the curriculum's included: set the values, regenerate phases.yaml
+    and dvc.yaml, then run ``dvc exp run`` with the remaining arguments (``--queue``, ``--temp``, ``-n NAME``,
+    targets). The experiment records the regenerated files; with ``--queue`` or ``--temp`` the working copy's
+    files are restored afterwards (a workspace run leaves them changed, as ``dvc exp run -S`` does)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from envs.paths import project_root
+    from flows.dvc_pipeline import set_params, write
+    from training.config import ConfigError
+
+    root = project_root()
+    files = {name: (root / name).read_text() for name in ("params.yaml", "phases.yaml", "dvc.yaml")}
+    try:
+        changed = set_params(_pairs(set_ or []), root)
+        write(root)
+    except (ConfigError, ValueError) as err:
+        for name, text in files.items():
+            (root / name).write_text(text)
+        _fail(str(err))
+    for key, old in changed.items():
+        console.print(f"params.yaml: {key} set (was {old!r})")
+    dvc = str(Path(sys.executable).parent / "dvc")
+    try:
+        code = subprocess.call([dvc, "exp", "run", *ctx.args], cwd=root)
+    finally:
+        if "--queue" in ctx.args or "--temp" in ctx.args:
+            for name, text in files.items():
+                (root / name).write_text(text)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -355,6 +414,7 @@ def eval_cmd(
 
     from flows.evaluation import run_eval
     from training.config import ConfigError
+    from training.layout import Run
 
     _check_env(env)
     try:
@@ -370,7 +430,7 @@ def eval_cmd(
         table.add_row(name, f"{c['success']:.1%}", f"{low:.1%}-{high:.1%}", f"{c['avg_at_k']:.3f}",
                       f"{c['pass_at_k']:.1%}")
     console.print(table)
-    console.print(f"metrics: runs/{env}{'' if baseline is None else f'-fixed-h{baseline}'}/eval/metrics.json")
+    console.print(f"metrics: {Run(env, baseline).eval_metrics}")
 
 
 @app.command()
@@ -384,6 +444,7 @@ def report(
 
     from envs.paths import project_root
     from flows.report import ENV_NAMES, write_report
+    from training.layout import Run, report_file
 
     root = project_root()
     if envs:
@@ -391,9 +452,8 @@ def report(
         if unknown:
             _fail(f"unknown environment(s) {', '.join(unknown)}: choose from {', '.join(ENV_NAMES)}")
     else:
-        envs = [e for e in ENV_NAMES if (root / "runs" / e).exists()]
-    default = f"reports/{envs[0]}.html" if len(envs) == 1 else "reports/index.html"
-    path = write_report(envs, Path(out or default) if out else root / default, root)
+        envs = [e for e in ENV_NAMES if Run(e, root=root).dir.exists()]
+    path = write_report(envs, Path(out) if out else report_file(envs, root), root)
     console.print(f"report: {path}")
 
 

@@ -14,36 +14,29 @@ from pathlib import Path
 from typing import Any
 
 from envs.client import server_capacity
+from envs.launcher import running_server
 from envs.paths import project_root
 from envs.splits import load_split
-from envs.testing import running_server
 from training.checkpoint import read_manifest
-from training.config import ConfigError, curriculum_config, eval_config, load_params
+from training.config import ConfigError, base_model_dir, curriculum_config, eval_config, load_params, server_config
 from training.evaluate import evaluate_checkpoints
-
-
-def run_dir(env: str, root: Path | None = None) -> Path:
-    return (root or project_root()) / "runs" / env
-
-
-def baseline_dir(env: str, h: int, root: Path | None = None) -> Path:
-    """The fixed-h baseline run of ``env`` (one phase at ``h`` for the curriculum's total steps)."""
-    return (root or project_root()) / "runs" / f"{env}-fixed-h{h}"
+from training.layout import Run
 
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
                 ) -> dict[str, Path]:
-    """``{"base": models/tiny, "phase-0": .../final, ...}``: every checkpoint of the run, in order
+    """``{"base": models/<preset>, "phase-0": .../final, ...}``: every checkpoint of the run, in order
     (of the fixed-h baseline run when ``baseline`` is its h)."""
     root = root or project_root()
-    phases = curriculum_config(env, profile, load_params(root / "params.yaml")).phases()
-    out = {"base": root / "models" / "tiny"}
+    params = load_params(root / "params.yaml")
+    phases = curriculum_config(env, profile, params).phases()
+    out = {"base": base_model_dir(params, root)}
     if baseline is not None:
-        out[f"fixed-h{baseline}"] = baseline_dir(env, baseline, root) / "phase-0" / "final"
+        out[f"fixed-h{baseline}"] = Run(env, baseline, root).final(0)
         stage = f"{env}_fixed_h{baseline}"
     else:
         for phase in phases:
-            out[f"phase-{phase.index}"] = run_dir(env, root) / f"phase-{phase.index}" / "final"
+            out[f"phase-{phase.index}"] = Run(env, root=root).final(phase.index)
         stage = f"{env}_phase_{len(phases) - 1}"
     missing = [f"{name} ({path})" for name, path in out.items() if not (path / "config.json").exists()]
     if missing:
@@ -78,24 +71,24 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
     items = stratified_head(load_split(env, "test"), config.items)
     folders = checkpoints(env, profile, root, baseline)
-    options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
     with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_server(env, **options))
+        base = url or stack.enter_context(running_server(env, **server_config(env, params).launch_kwargs()))
         # k live instances per item; a simulator or browser pool bounds how many items run at once
         capacity = server_capacity(base)
         batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
         result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                      batch_items=batch_items, progress=progress)
+                                      batch_items=batch_items, progress=progress,
+                                      context_budget=config.context_budget or 8192, device=config.device)
     for name, folder in folders.items():
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
         result["checkpoints"][name]["path"] = str(folder.relative_to(root))
-    out = (baseline_dir(env, baseline, root) if baseline is not None else run_dir(env, root)) / "eval"
-    out.mkdir(parents=True, exist_ok=True)
+    run = Run(env, baseline, root)
+    run.eval_dir.mkdir(parents=True, exist_ok=True)
     per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
-    _write(out / "per_item.json", per_item)
-    _write(out / "metrics.json", result)
+    _write(run.eval_per_item, per_item)
+    _write(run.eval_metrics, result)
     return result
 
 

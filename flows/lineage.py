@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 
 from training.checkpoint import CheckpointError, folder_hash, read_manifest
+from training.config import base_model_dir, load_params
+from training.layout import Run
 
 
 @dataclass
@@ -56,11 +58,12 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
     if not names:
         raise LookupError(f"dvc.lock has no {env} phase stages: is {env} in params.yaml pipeline.envs?")
     records, problems = [], []
-    expected_parent = folder_hash(root / "models" / "tiny") if (root / "models" / "tiny").exists() else None
+    base = base_model_dir(load_params(root / "params.yaml"), root)
+    expected_parent = folder_hash(base) if base.exists() else None
     for name in names:
         index = int(name.rsplit("_", 1)[1])
         locked = stages[name]["params"]["phases.yaml"][f"{env}.phase_{index}"]
-        folder = root / "runs" / env / f"phase-{index}"
+        folder = Run(env, root=root).phase(index)
         try:
             manifest = read_manifest(folder / "final")
         except CheckpointError as err:

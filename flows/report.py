@@ -21,7 +21,9 @@ from typing import Any
 
 from envs.paths import project_root
 from training.checkpoint import CheckpointError, read_manifest
-from training.config import curriculum_config, load_params
+from training.config import base_model_dir, curriculum_config, load_params
+from training.layout import Run
+from training.model import PRESETS
 
 ENV_NAMES = {"webarena": "WebArena", "deepsearch": "Deep Search", "textcraft": "TextCraft", "babyai": "BabyAI",
              "sciworld": "SciWorld"}
@@ -82,12 +84,16 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _model(root: Path) -> dict[str, Any]:
-    config = _json(root / "models" / "tiny" / "config.json") or {}
-    weights = root / "models" / "tiny" / "model.safetensors"
-    params = weights.stat().st_size // 4 if weights.exists() else None  # float32
-    return {"name": "tiny Qwen2 (built locally)", "parameters": params, "layers": config.get("num_hidden_layers"),
-            "hidden": config.get("hidden_size")}
+def _model(params: dict[str, Any], root: Path) -> dict[str, Any]:
+    folder = base_model_dir(params, root)
+    config = _json(folder / "config.json") or {}
+    weights = folder / "model.safetensors"
+    dtype_bytes = {"bfloat16": 2, "float16": 2}.get(str(config.get("torch_dtype") or config.get("dtype")), 4)
+    size = weights.stat().st_size // dtype_bytes if weights.exists() else None
+    preset = folder.name
+    hub = PRESETS[preset].hub_id if preset in PRESETS else None
+    return {"name": f"{hub} ({preset})" if hub else f"{preset} Qwen2 (built locally)", "parameters": size,
+            "layers": config.get("num_hidden_layers"), "hidden": config.get("hidden_size")}
 
 
 def report_data(envs: list[str], root: Path | None = None) -> dict[str, Any]:
@@ -109,17 +115,17 @@ def report_data(envs: list[str], root: Path | None = None) -> dict[str, Any]:
                          "total": phases[-1].last_step + 1 if phases else 300}
     results = {}
     for env in envs:
-        run = root / "runs" / env
+        run = Run(env, root=root)
         baselines = {}
         for h in section.get(env, {}).get("fixed_baselines", []):
-            metrics = _json(root / "runs" / f"{env}-fixed-h{h}" / "eval" / "metrics.json")
+            metrics = _json(Run(env, h, root).eval_metrics)
             if metrics:
                 baselines[f"fixed h={h}"] = metrics
-        results[env] = {"eval": _json(run / "eval" / "metrics.json"), "curves": _curves(run), "phases": _phases(run),
+        results[env] = {"eval": _json(run.eval_metrics), "curves": _curves(run.dir), "phases": _phases(run.dir),
                         "lineage": _lineage(env, root), "baselines": baselines}
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     return {"profile": profile, "envs": envs, "names": ENV_NAMES, "explorer": explorer,
-            "paper": _json(root / "data" / "paper_results.json"), "results": results, "model": _model(root),
+            "paper": _json(root / "data" / "paper_results.json"), "results": results, "model": _model(params, root),
             "git": revision.stdout.strip() or None,
             "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 

@@ -4,14 +4,16 @@
 
 Each phase task runs that phase's DVC stage, so the flow and plain ``dvc repro`` leave the same lineage:
 in the flow's warm process when it is the only stale stage (then recorded with ``dvc commit``, see
-``flows.stage_runner``), else by ``dvc repro <env>_phase_<k>``. Phases that are up to date are skipped,
+``tasks.stages``), else by ``dvc repro <env>_phase_<k>``. Phases that are up to date are skipped,
 and an interrupted phase resumes from its intra-phase checkpoint. Evaluation and the report are DVC
 stages too. The environment server is provisioned once (with retries and a health check) and always torn down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,19 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from envs.paths import project_root
-from flows.pipeline import write as write_pipeline
-from tasks.pipeline import build_report, evaluate_run, provision_env_server, run_phase, teardown_env_server, version
-from training.config import ConfigError, curriculum_config, load_params
+from flows.dvc_pipeline import set_params
+from flows.dvc_pipeline import write as write_pipeline
+from tasks.pipeline import (
+    Record,
+    build_report,
+    evaluate_run,
+    provision_env_server,
+    run_phase,
+    teardown_env_server,
+    version,
+)
+from training.config import ConfigError, curriculum_config, load_params, server_config
+from training.layout import Run
 
 
 def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path) -> str:
@@ -45,19 +57,31 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
 
 
 @flow(name="scalinginter", log_prints=True)
-def scalinginter(env: str = "sciworld", profile: str = "smoke") -> dict[str, Any]:
-    """Train ``env``'s whole ScalingInter curriculum under ``profile``; return the phase table."""
-    params = load_params()
-    if params["curriculum"].get("profile") != profile:
-        raise ConfigError(f"dvc.yaml is generated for profile {params['curriculum'].get('profile')!r}: set "
-                          f"curriculum.profile: {profile} in params.yaml (then `scalinginter pipeline`)")
-    if env not in params.get("pipeline", {}).get("envs", []):
-        raise ConfigError(f"{env} is not in params.yaml pipeline.envs: add it, then run `scalinginter pipeline`")
-    for path in write_pipeline():
-        print(f"regenerated {path.name} from params.yaml")
+def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[str, Any] | None = None,
+                 record: Record = "commit", push: bool = True) -> dict[str, Any]:
+    """Train ``env``'s whole ScalingInter curriculum under ``profile``; return the phase table.
+
+    ``overrides`` sets params.yaml keys (dotted, e.g. ``{"train.smoke.lr": 2e-5}``) before the run, as
+    ``dvc exp run -S`` does, so they reach dvc.lock; ``profile`` is ``curriculum.profile``. ``record`` says how
+    the lineage is kept (``commit``, ``exp`` or ``none``, see ``tasks.pipeline.version``); ``push`` sends it to
+    the remotes. One run at a time holds the working copy (a second fails at once, naming the holder)."""
+    root = project_root()
+    with working_copy_lock(root):
+        changed = set_params({"curriculum.profile": profile, **(overrides or {})}, root)
+        for key, old in changed.items():
+            print(f"params.yaml: {key} set (was {old!r})")
+        params = load_params(root / "params.yaml")
+        if env not in params.get("pipeline", {}).get("envs", []):
+            raise ConfigError(f"{env} is not in params.yaml pipeline.envs: add it (or pass overrides "
+                              f"{{'pipeline.envs': [...]}})")
+        for path in write_pipeline(root):
+            print(f"regenerated {path.name} from params.yaml")
+        return _run(env, profile, params, record, push)
+
+
+def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool) -> dict[str, Any]:
     phases = curriculum_config(env, profile, params).phases()
-    options = params.get("env_server", {}).get("backend_options", {}).get(env) or {}
-    url, pid = provision_env_server(env, options)
+    url, pid = provision_env_server(env, server_config(env, params))
     try:
         rows = []
         for phase in phases:
@@ -71,10 +95,29 @@ def scalinginter(env: str = "sciworld", profile: str = "smoke") -> dict[str, Any
     finally:
         teardown_env_server(pid)
     report = build_report(env)
-    print(version(env, f"scalinginter {env} ({profile}): {len(phases)} phases"))
-    run = project_root() / "runs" / env
+    print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
+    run = Run(env, root=project_root())
     create_markdown_artifact(_markdown(env, profile, rows, evaluation, report), key=f"scalinginter-{env}",
                              description=f"ScalingInter curriculum of {env}")
-    print(f"checkpoints: {run}/phase-*/final\nmetrics:     {run}/phase-*/dvclive (dvc plots show), "
-          f"{run}/eval/metrics.json\nlineage:     scalinginter lineage {env}\nreport:      {report}")
+    print(f"checkpoints: {run.dir}/phase-*/final\nmetrics:     {run.dir}/phase-*/dvclive (dvc plots show), "
+          f"{run.eval_metrics}\nlineage:     scalinginter lineage {env}\nreport:      {report}")
     return {"phases": rows, "evaluation": evaluation, "report": str(report)}
+
+
+@contextlib.contextmanager
+def working_copy_lock(root: Path) -> Iterator[None]:
+    """Hold ``root``'s run lock: two runs in one working copy would share its dvc.lock, git index and run
+    folders. Released when the run ends, also by a killed process (the OS drops the lock)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root / ".dvc" / "tmp" / "scalinginter-run.lock"))
+    (root / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ConfigError(f"another scalinginter run holds the working copy {root} (lock {lock.lock_file}): "
+                          "wait for it, or run in another working copy (a clone)") from None
+    try:
+        yield
+    finally:
+        lock.release()

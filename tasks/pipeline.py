@@ -6,13 +6,17 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
 
 from prefect import task
 
+from envs.launcher import start_server, stop_server
 from envs.paths import project_root
-from envs.testing import start_server, stop_server
-from flows.stage_runner import run_command, run_stage
+from tasks.stages import run_command, run_stage
 from training.checkpoint import read_manifest
+from training.config import ServerConfig, phase_spec
+from training.layout import Run, report_file
+from training.phase import run_phase as train_one_phase
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
@@ -20,9 +24,9 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
-def provision_env_server(env: str, options: dict[str, str | int] | None = None) -> tuple[str, int]:
-    """Start the environment server (health-checked); returns (url, pid)."""
-    url, proc = start_server(env, **(options or {}))
+def provision_env_server(env: str, server: ServerConfig) -> tuple[str, int]:
+    """Start the environment server (health-checked) with params.yaml's ``env_server``; returns (url, pid)."""
+    url, proc = start_server(env, **server.launch_kwargs())
     _servers[proc.pid] = proc
     return url, proc.pid
 
@@ -41,14 +45,15 @@ def teardown_env_server(pid: int) -> None:
 @task
 def run_phase(env: str, index: int, url: str) -> dict:
     """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server; in this warm
-    process when only that stage is stale (``flows.stage_runner``), else through ``dvc repro``."""
+    process when only that stage is stale (:mod:`tasks.stages`), else through ``dvc repro``."""
     stage = f"{env}_phase_{index}"
     started = time.perf_counter()
-    outcome = run_stage(project_root(), stage, url)
+    outcome = run_stage(project_root(), stage, url, work=lambda: train_one_phase(phase_spec(env, index, Path(".")),
+                                                                                   url))
     seconds = time.perf_counter() - started
-    manifest = read_manifest(project_root() / "runs" / env / f"phase-{index}" / "final")
-    metrics_file = project_root() / "runs" / env / f"phase-{index}" / "dvclive" / "metrics.json"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    run = Run(env, root=project_root())
+    manifest = read_manifest(run.final(index))
+    metrics = json.loads(run.metrics(index).read_text()) if run.metrics(index).exists() else {}
     return {"stage": stage, "ran": outcome != "skipped", "how": outcome, "h": manifest["h"],
             "steps": manifest["steps"], "hash": manifest["hash"], "parent": manifest["parent"],
             "reward": metrics.get("reward", {}).get("mean"), "success": metrics.get("success", {}).get("rate"),
@@ -59,28 +64,50 @@ def run_phase(env: str, index: int, url: str) -> dict:
 def evaluate_run(env: str, url: str) -> dict:
     """Run (or skip, if up to date) the evaluation stage: base model and every phase checkpoint."""
     _run(["dvc", "repro", f"{env}_eval"], env={"SCALINGINTER_ENV_URL": url})
-    return json.loads((project_root() / "runs" / env / "eval" / "metrics.json").read_text())
+    return json.loads(Run(env, root=project_root()).eval_metrics.read_text())
 
 
 @task
 def build_report(env: str) -> Path:
     """Run (or skip) the report stage; returns the HTML page."""
     _run(["dvc", "repro", f"{env}_report"])
-    return project_root() / "reports" / f"{env}.html"
+    return report_file(env, project_root())
+
+
+Record = Literal["commit", "exp", "none"]
 
 
 @task
-def version(env: str, message: str) -> str:
-    """Commit the run's lineage (dvc.lock) to git, and push artifacts when a DVC remote is configured."""
+def version(message: str, record: Record = "commit", push: bool = True) -> str:
+    """Record the run's lineage: ``commit`` commits dvc.lock (with params.yaml, phases.yaml, dvc.yaml) on the
+    current branch as git's configured author; ``exp`` saves it as a DVC experiment (``dvc exp save``) and
+    leaves the branch alone; ``none`` records nothing. With ``push``, artifacts go to the DVC remote and the
+    commit (or experiment) to the git remote, where those are configured."""
     root = project_root()
+    if record == "none":
+        return "lineage not recorded (record: none); dvc.lock holds it"
     if not (root / ".git").exists():
-        return "not a git repository: nothing committed"
-    _run(["git", "add", "dvc.lock", "phases.yaml", "dvc.yaml"])
-    staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=root).returncode != 0
-    if staged:
-        _run(["git", "-c", "user.name=scalinginter", "-c", "user.email=pipeline@scalinginter.local", "commit",
-              "-m", message])
-    remotes = _run(["dvc", "remote", "list"]).strip()
-    if remotes:
-        _run(["dvc", "push"])
-    return ("committed" if staged else "lineage unchanged") + (", pushed to the DVC remote" if remotes else "")
+        return "not a git repository: lineage not recorded"
+    done = []
+    if record == "exp":
+        _run(["dvc", "exp", "save", "--force", "--message", message])
+        done.append("saved as a DVC experiment")
+    else:
+        _run(["git", "add", "dvc.lock", "phases.yaml", "dvc.yaml", "params.yaml"])
+        if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=root).returncode == 0:
+            done.append("lineage unchanged")
+        else:
+            _run(["git", "commit", "-m", message])  # git's own author; a missing one is git's error, shown
+            done.append("committed")
+    if push:
+        if _run(["dvc", "remote", "list"]).strip():
+            _run(["dvc", "push"])
+            done.append("artifacts pushed to the DVC remote")
+        remotes = _run(["git", "remote"]).split()
+        if remotes:  # the first one (origin, as a clone names it)
+            if record == "exp":
+                _run(["dvc", "exp", "push", remotes[0], "--rev", "HEAD"])  # the experiments of this commit
+            else:
+                _run(["git", "push", remotes[0], "HEAD"])
+            done.append(f"pushed to the git remote {remotes[0]}")
+    return ", ".join(done)

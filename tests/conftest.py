@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.testing import running_server
+from envs.launcher import running_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub (this machine has none)
 

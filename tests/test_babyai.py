@@ -21,8 +21,8 @@ from envs.babyai.client import Client, Spec
 from envs.babyai.expert import solve
 from envs.base import DataIndexError, EpisodeFinishedError
 from envs.client import StepOutput
+from envs.launcher import running_server
 from envs.splits import item_index, load_split
-from envs.testing import running_server
 
 _SEEN = re.compile(r"There is a (.+?) (?:right in front of you (\d+) steps away|(\d+) steps in front of you and "
                    r"(\d+) steps to your (left|right))\.")

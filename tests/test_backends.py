@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from envs.testing import ROOT
+from envs.launcher import ROOT
 from training.devices import DeviceError, distributed_backend, resolve_device
 
 EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
@@ -52,17 +52,24 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     from training.checkpoint import read_manifest
 
     out = tmp_path / "phase"
-    # as a GPU work pool would start it: SCALINGINTER_NPROC relaunches under torchrun, the backend comes from
-    # SCALINGINTER_TRAIN_SET (the pool's job variables), the batch from --set
+    # as a GPU work pool would start it: SCALINGINTER_NPROC and SCALINGINTER_DEVICE (the pool's job variables:
+    # placement only) relaunch it under torchrun; the strategy and batch are settings (--set, or params.yaml)
     cmd = [sys.executable, "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2",
            "--init", str(tiny_model_dir), "--out", str(out), "--url", env_server("bandit"), "--set", "batch_items=4",
            "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "mini_batch_size=4",
-           "--set", "micro_batch_size=2"]
+           "--set", "micro_batch_size=2", "--set", "backend=deepspeed", "--set", "zero_stage=2"]
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1", "SCALINGINTER_NPROC": "2",
-           "SCALINGINTER_TRAIN_SET": "backend=deepspeed zero_stage=2", "SCALINGINTER_DEVICE": "cpu"}
+           "SCALINGINTER_DEVICE": "cpu"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_manifest(out / "final")  # verifies every file's sha256
     assert {"optimizer_rank0.pt", "optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
     assert manifest["global_step"] == 2 and manifest["config"]["backend"] == "deepspeed"
     assert not list(out.glob(".tmp-*"))  # no staging folder left behind
+    # the next phase loads each rank's ZeRO optimizer state (weights_only, with DeepSpeed's own state classes)
+    nxt = tmp_path / "next"
+    cmd[cmd.index("--init") + 1], cmd[cmd.index("--out") + 1] = str(out / "final"), str(nxt)
+    cmd[cmd.index("--steps") + 1] = "1"
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_manifest(nxt / "final")["global_step"] == 3

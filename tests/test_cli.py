@@ -10,7 +10,7 @@ import sys
 import httpx
 from typer.testing import CliRunner
 
-from envs.testing import ROOT, free_port, wait_healthy
+from envs.launcher import ROOT, free_port, wait_healthy
 from flows.cli import app
 
 runner = CliRunner()

@@ -12,9 +12,9 @@ from envs.deepsearch.backend import load_flashrag
 from envs.deepsearch.client import Client
 from envs.deepsearch.expert import solve
 from envs.deepsearch.world import CATEGORIES, PER_CATEGORY, build_world, default_world, exact_match, normalize_answer
+from envs.launcher import running_server
 from envs.react import ActionParseError
 from envs.splits import item_index, load_split
-from envs.testing import running_server
 
 
 def test_the_world_is_deterministic_and_covers_every_category() -> None:
@@ -48,7 +48,7 @@ def test_client_takes_the_first_complete_tag_and_rejects_untagged_replies() -> N
 
 def test_retriever_server_ranks_the_entity_document_first() -> None:
     from envs.deepsearch.backend import start_retriever
-    from envs.testing import stop_server
+    from envs.launcher import stop_server
 
     url, proc = start_retriever()
     try:
@@ -117,7 +117,7 @@ def test_flashrag_data_and_corpus_load_as_they_are(tmp_path) -> None:
 
 
 def test_a_dead_retriever_is_a_server_error_not_a_zero_reward() -> None:
-    from envs.testing import free_port
+    from envs.launcher import free_port
 
     with running_server("deepsearch", retriever_url=f"http://127.0.0.1:{free_port()}") as url:
         client = Client(url)

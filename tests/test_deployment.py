@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.testing import free_port, wait_healthy
+from envs.launcher import free_port, wait_healthy
 from tests.test_pipeline import _workspace
 
 BIN = Path(sys.executable).parent

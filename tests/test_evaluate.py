@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from training.evaluate import EvalResult, bootstrap_ci, paired_difference_ci
 
@@ -57,3 +58,30 @@ def test_evaluation_is_reproducible_same_checkpoint_same_seed_same_numbers(env_s
     assert 0 < sum(rewards) < len(rewards)  # the samples really vary, so equality above means something
     other = run(seed=4)["checkpoints"]["first"]["per_item"]
     assert other != first["per_item"]  # and the seed matters
+
+
+def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env_server, bandit_warm_start,
+                                                                              monkeypatch) -> None:
+    from envs.splits import load_split
+    from training.config import eval_config, load_params, train_config
+    from training.devices import DeviceError
+    from training.evaluate import evaluate
+
+    params = load_params()
+    assert eval_config("babyai", "smoke", params).context_budget == train_config("babyai", "smoke",
+                                                                                 params=params).context_budget
+    params["eval"]["smoke"]["context_budget"] = 512
+    assert eval_config("babyai", "smoke", params).context_budget == 512
+    monkeypatch.setenv("SCALINGINTER_DEVICE", "cuda:0")  # a work pool's placement reaches evaluation too
+    assert eval_config("babyai", "smoke", params).device == "cuda:0"
+
+    items, url = [r["item_id"] for r in load_split("bandit", "test")[:4]], env_server("bandit")
+    roomy = evaluate(bandit_warm_start, "bandit", url, items, h=1, k=2, temperature=1.0, max_new_tokens=12)
+    assert sum(map(sum, roomy.success.values())) > 0
+    # a budget under the prompt's length ends every trajectory before it can act: the budget is really used
+    tight = evaluate(bandit_warm_start, "bandit", url, items, h=1, k=2, temperature=1.0, max_new_tokens=12,
+                     context_budget=16)
+    assert sum(map(sum, tight.success.values())) == 0
+    if not torch.cuda.is_available():  # the device is really used: the model is loaded onto it
+        with pytest.raises(DeviceError, match="CUDA is not available"):
+            evaluate(bandit_warm_start, "bandit", url, items, h=1, k=1, device="cuda")

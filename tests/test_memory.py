@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.env_memory import rss_growth_mb
-from envs.testing import running_server
+from envs.launcher import running_server
 
 
 @pytest.mark.slow

@@ -9,31 +9,52 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from envs.testing import ROOT
-from flows.pipeline import check, render
+from envs.launcher import ROOT
+from flows.dvc_pipeline import check, render
 from training.config import curriculum_config, load_params
 
 
-def test_committed_dvc_yaml_and_phases_agree_with_params_and_the_curriculum() -> None:
+def _resolved(params: dict, folder: Path) -> dict[str, dict]:
+    """The stages DVC resolves from ``render(params)`` (``${...}`` interpolated): {name: {cmd, deps}}."""
+    from dvc.repo import Repo
+
+    phases_text, dvc_text = render(params)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    (folder / "phases.yaml").write_text(phases_text)
+    (folder / "dvc.yaml").write_text(dvc_text)
+    Repo.init(str(folder), no_scm=True, force=True)
+    with Repo(str(folder)) as repo:
+        return {s.name: {"cmd": s.cmd, "deps": [str(d.def_path) for d in s.deps]} for s in repo.index.stages}
+
+
+def test_committed_dvc_yaml_and_phases_agree_with_params_and_the_curriculum(tmp_path) -> None:
     assert check() == [], "run `scalinginter pipeline` and commit phases.yaml and dvc.yaml"
     params = load_params()
     phases = yaml.safe_load((ROOT / "phases.yaml").read_text())
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = _resolved(params, tmp_path)
     profile = params["curriculum"]["profile"]
+    build = stages["build_model"]["cmd"]
+    assert "--seed 0 " in build and "--preset tiny --out models/tiny" in build
     for env in params["pipeline"]["envs"]:
         expected = curriculum_config(env, profile).phases()
         assert [(p["h"], p["steps"], p["first_step"]) for p in phases[env].values()] == \
             [(p.h, p.steps, p.first_step) for p in expected]
         for p in expected:
-            cmd = stages[f"{env}_phase_{p.index}"]["cmd"]
-            assert f"--h {p.h} --steps {p.steps}" in cmd and f"--phase {p.index}" in cmd
+            stage = stages[f"{env}_phase_{p.index}"]
+            assert f"--h {p.h} --steps {p.steps}" in stage["cmd"] and f"--phase {p.index}" in stage["cmd"]
+            assert stage["cmd"].startswith("python -m flows.cli train-phase")  # the working copy's own code
             parent = "models/tiny" if p.index == 0 else f"runs/{env}/phase-{p.index - 1}/final"
-            assert f"--init {parent}" in cmd and parent in stages[f"{env}_phase_{p.index}"]["deps"]
+            assert f"--init {parent}" in stage["cmd"] and parent in stage["deps"]
+            # the code it runs: its own environment and the core, not the other environments nor the CLI
+            assert f"envs/{env}" in stage["deps"] and "envs/server.py" in stage["deps"]
+            assert "envs" not in stage["deps"] and "flows/cli.py" not in stage["deps"]
 
 
 def test_changing_one_phase_changes_only_it_and_later_phases() -> None:
@@ -124,10 +145,10 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     assert tampered.returncode == 1 and "dvc.lock says h=7, the checkpoint says 5" in tampered.stdout
 
 
-def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps() -> None:
+def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps(tmp_path) -> None:
     params = load_params()
     params["pipeline"].update(envs=["babyai"], baselines=True)
-    stages = yaml.safe_load(render(params)[1])["stages"]
+    stages = _resolved(params, tmp_path)
     total = sum(p.steps for p in curriculum_config("babyai", "smoke", params).phases())
     baselines = params["curriculum"]["babyai"]["fixed_baselines"]
     assert len(baselines) == 2
@@ -156,3 +177,71 @@ def test_fixed_h_baselines_run_and_reach_the_report(tmp_path) -> None:
         assert metrics["h"] == json.loads((work / "runs/babyai/eval/metrics.json").read_text())["h"]
     page = (work / "reports/babyai.html").read_text()
     assert '"fixed h=6"' in page and '"fixed h=20"' in page
+
+
+def _experiments(work: Path) -> dict[str, dict]:
+    """``dvc exp show --json``: {experiment name: its data (params, deps and outs with hashes)}, plus the
+    baseline under ``"baseline"``."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json"], cwd=work, env=env, capture_output=True,
+                                      text=True, check=True).stdout)
+    baseline = next(row for row in shown if row["rev"] != "workspace")
+    out = {"baseline": baseline["data"]}
+    for group in baseline.get("experiments") or []:
+        for rev in group["revs"]:
+            out[rev["name"]] = rev["data"]
+    return out
+
+
+def _out_hash(data: dict, path: str) -> str:
+    return data["outs"][path]["hash"]
+
+
+@pytest.mark.slow
+def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -> None:
+    """`dvc exp run -S` of a trainer key reruns the phases and not the base model; of model.seed, a new base
+    model; of a curriculum key, a clear failure (and `scalinginter exp-run` regenerates the phases and reruns
+    exactly them); a queued experiment runs its own snapshot's code; `dvc exp show` lists them all."""
+    work = _workspace(tmp_path, one_step_phases=2)
+    _sh(work, "dvc", "repro", "babyai_phase_1")
+    _sh(work, "git", "add", "-A")
+    _sh(work, "git", "commit", "-qm", "baseline")
+
+    assert _ran(_sh(work, "dvc", "exp", "run", "--temp", "-n", "lr", "-S", "train.smoke.lr=2e-5",
+                    "babyai_phase_1")) == ["babyai_phase_0", "babyai_phase_1"]
+    assert _ran(_sh(work, "dvc", "exp", "run", "--temp", "-n", "seed1", "-S", "model.seed=1",
+                    "build_model")) == ["build_model"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    refused = subprocess.run(["dvc", "exp", "run", "--temp", "-S", "curriculum.babyai.profiles.smoke.h1=3"],
+                             cwd=work, env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "run `scalinginter pipeline`" in refused.stdout + refused.stderr
+    # the curriculum through scalinginter exp-run: phase 0's h changes (2 -> 3), so phase 0 and 1 rerun
+    ran = _ran(_sh(work, "scalinginter", "exp-run", "-S", "curriculum.babyai.profiles.smoke.h1=3", "--temp",
+                   "-n", "h1", "babyai_phase_1"))
+    assert ran == ["pipeline_check", "babyai_phase_0", "babyai_phase_1"] or \
+        ran == ["babyai_phase_0", "babyai_phase_1"], ran
+    assert _sh(work, "git", "status", "--porcelain") == ""  # the working copy's files were restored
+
+    # a queued experiment runs the code of its snapshot, not the installed checkout's
+    splits = work / "envs" / "splits.py"
+    code = splits.read_text()
+    splits.write_text(code.replace("json.dumps(rows, indent=0)", "json.dumps(rows, indent=2)"))
+    _sh(work, "dvc", "exp", "run", "--queue", "-n", "code", "splits@babyai")
+    splits.write_text(code)
+    _sh(work, "dvc", "queue", "start")
+    deadline = time.monotonic() + 600
+    while re.search(r"\b(Queued|Running)\b", _sh(work, "dvc", "queue", "status")):
+        assert time.monotonic() < deadline, _sh(work, "dvc", "queue", "logs", "code")
+        time.sleep(1)
+
+    shown = _experiments(work)
+    base = shown["baseline"]
+    assert {"lr", "seed1", "h1", "code"} <= set(shown)
+    assert shown["lr"]["params"]["params.yaml"]["data"]["train"]["smoke"]["lr"] == 2e-5
+    assert _out_hash(shown["lr"], "runs/babyai/phase-1/final") != _out_hash(base, "runs/babyai/phase-1/final")
+    assert _out_hash(shown["lr"], "models/tiny") == _out_hash(base, "models/tiny")
+    assert shown["seed1"]["params"]["params.yaml"]["data"]["model"]["seed"] == 1
+    assert _out_hash(shown["seed1"], "models/tiny") != _out_hash(base, "models/tiny")
+    assert shown["h1"]["params"]["phases.yaml"]["data"]["babyai"]["phase_0"]["h"] == 3
+    _sh(work, "dvc", "exp", "apply", "code")
+    assert (work / "data/babyai/train.json").read_text().startswith('[\n  {\n    "item_id"')  # indent=2: its code

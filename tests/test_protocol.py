@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from envs.client import EnvServerError
+from envs.launcher import running_server
 from envs.registry import client_class, expert
-from envs.testing import running_server
 
 ENVS = ["babyai", "textcraft", "sciworld", "deepsearch", "webarena"]
 OUT_OF_RANGE = {"babyai": -1, "textcraft": 544, "sciworld": 10**6, "deepsearch": 2800, "webarena": 33}

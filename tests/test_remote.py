@@ -13,7 +13,7 @@ import boto3
 import httpx
 import pytest
 
-from envs.testing import free_port
+from envs.launcher import free_port
 from tests.test_pipeline import _sh, _workspace
 from training.checkpoint import read_manifest
 

@@ -9,10 +9,10 @@ import signal
 import httpx
 import pytest
 
+from envs.launcher import running_server
 from envs.local import local_client
 from envs.registry import expert
 from envs.splits import item_index, load_split
-from envs.testing import running_server
 from training.config import curriculum_config
 from training.engine import Generation, HFEngine, ScriptedEngine
 from training.rollout import ChatFormat, Rollout, RolloutConfig, _conversation_start

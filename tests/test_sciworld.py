@@ -287,8 +287,8 @@ def spread_sample(rows: list[dict], n: int) -> list[int]:
 @pytest.mark.slow
 @needs_java
 def test_expert_gold_paths_through_http() -> None:
+    from envs.launcher import running_server
     from envs.splits import load_split
-    from envs.testing import running_server
 
     sample = spread_sample(load_split("sciworld", "test"), 64)
     assert len(sample) == 64

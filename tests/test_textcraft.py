@@ -325,7 +325,7 @@ def test_expert_replans_after_a_refused_substitute() -> None:
 
 
 def test_expert_solves_every_goal_over_http() -> None:
-    from envs.testing import running_server
+    from envs.launcher import running_server
 
     with running_server("textcraft") as url, httpx.Client(base_url=url, timeout=60.0) as http:
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from envs.testing import ROOT, running_server
+from envs.launcher import ROOT, running_server
 from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest
 from training.config_train import TrainConfig
 from training.trainer import train_phase
@@ -230,3 +230,58 @@ def test_an_item_list_replaces_the_split_and_is_checked() -> None:
         TrainConfig(items=[])
     with pytest.raises(ValueError, match="no sub_tasks"):
         TrainConfig(items=items, sub_tasks=["GoTo"])
+
+
+def test_training_sends_the_env_token_to_a_protected_server(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """The rollout's HTTP session carries SCALINGINTER_ENV_TOKEN like every other client (it got 401 before)."""
+    with running_server("babyai", token="s3cret") as url:
+        monkeypatch.setenv("SCALINGINTER_ENV_TOKEN", "s3cret")
+        final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "p", config=CONFIG, url=url)
+        assert read_manifest(final)["global_step"] == 1
+        monkeypatch.setenv("SCALINGINTER_ENV_TOKEN", "wrong")
+        with pytest.raises(Exception, match="401"):
+            train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "q", config=CONFIG, url=url)
+
+
+class _RunsCode:
+    """A pickled object that would create a file when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_trainer_state_that_is_not_plain_data_is_refused(env_server, tiny_model_dir, tmp_path) -> None:
+    """A checkpoint from a remote cannot run code: trainer state loads with weights_only (a valid manifest does
+    not make a pickle safe)."""
+    from training.checkpoint import STATE, write_checkpoint
+
+    final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "p", config=CONFIG, url=env_server("babyai"))
+    marker = tmp_path / "unpickled"
+    record = {k: v for k, v in read_manifest(final).items() if k not in ("files", "hash")}
+
+    def write(tmp: Path) -> None:
+        for f in final.iterdir():
+            if f.name != "manifest.json":
+                (tmp / f.name).write_bytes(f.read_bytes())
+        state = torch.load(final / STATE, weights_only=True)
+        torch.save({**state, "extra": _RunsCode(marker)}, tmp / STATE)
+
+    hostile = tmp_path / "hostile"
+    write_checkpoint(hostile, write, record)
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        train_phase("babyai", 1, 2, 1, hostile, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
+    assert not marker.exists()
+
+
+def test_metric_names_do_not_collide_with_dvclives_step_column(env_server, tiny_model_dir, tmp_path) -> None:
+    from training.metrics import Metrics
+
+    train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=env_server("babyai"))
+    rows = (tmp_path / "dvclive" / "plots" / "metrics" / "timing_s" / "total.tsv").read_text().splitlines()
+    assert rows[0].split("\t") == ["step", "total"] and [r.split("\t")[0] for r in rows[1:]] == ["0", "1"]
+    assert not list((tmp_path / "dvclive").rglob("step.tsv"))
+    with pytest.raises(ValueError, match="collides with dvclive's step column"):
+        Metrics(tmp_path / "other").log({"timing_s/step": 1.0}, 0)

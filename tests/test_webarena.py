@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from envs.testing import running_server
+from envs.launcher import running_server
 from envs.webarena.backend import Backend, load_tasks
 from envs.webarena.browser import ActionError, parse_action
 from envs.webarena.client import Client
@@ -69,7 +69,7 @@ def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from envs.testing import free_port
+    from envs.launcher import free_port
 
     app = FastAPI()
     seen: list[str] = []

@@ -12,10 +12,13 @@ mini-batch split across micro-batches or ranks gives the same update as one big 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+StateLoader = Callable[[Path, list[type]], dict[str, Any]]
 
 
 class Backend(Protocol):
@@ -32,6 +35,11 @@ class Backend(Protocol):
     def step(self) -> float: ...
 
     def optimizer_state(self) -> dict[str, Any]: ...
+
+    def load_optimizer_state(self, folder: Path, load: StateLoader) -> bool:
+        """Load this rank's optimizer state from a checkpoint folder with ``load`` (path, allowed classes);
+        False when the folder has none (a base model)."""
+        ...
 
     def save_model(self, folder: Path) -> None: ...
 
@@ -66,6 +74,13 @@ class TorchBackend:
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, folder: Path, load: StateLoader) -> bool:
+        path = folder / "optimizer_rank0.pt"
+        if not path.exists():
+            return False
+        self.optimizer.load_state_dict(load(path, []))
+        return True
 
 
 class DeepSpeedBackend:
@@ -118,6 +133,24 @@ class DeepSpeedBackend:
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, folder: Path, load: StateLoader) -> bool:
+        """Each rank loads its own ZeRO partition (ZeRO takes a list indexed by data-parallel rank); the
+        checkpoint must come from as many ranks as this run has, since the partitions follow the rank count."""
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        saved = sorted(folder.glob("optimizer_rank*.pt"))
+        if not saved:
+            return False
+        if len(saved) != self.world_size:
+            raise ValueError(f"{folder} holds the ZeRO optimizer partitions of {len(saved)} ranks but this run has "
+                             f"{self.world_size}: resume with {len(saved)} processes (SCALINGINTER_NPROC)")
+        # ZeRO records its stage, loss scaler and fragment addresses as objects: allow exactly those
+        own = load(folder / f"optimizer_rank{self.rank}.pt", [LossScaler, ZeroStageEnum, fragment_address])
+        self.optimizer.load_state_dict([own if r == self.rank else None for r in range(self.world_size)])
+        return True
 
 
 def make_backend(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,

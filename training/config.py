@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from envs.paths import project_root
 from training.config_train import TrainConfig
 from training.curriculum import CurriculumConfig
+from training.layout import Run, base_model
 
 
 class ConfigError(ValueError):
@@ -74,12 +76,19 @@ class EvalConfig(BaseModel):
     seed: int = 0
     batch_items: int = Field(4, ge=1, description="items rolled out at once")
     h: int | None = Field(None, ge=1, description="turn cap; None: the last curriculum phase's h")
+    context_budget: int | None = Field(None, ge=16, description="tokens per trajectory; None: the training "
+                                       "profile's context_budget, so evaluation sees what training saw")
+    device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N] (SCALINGINTER_DEVICE wins: placement)")
 
 
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:
     """``eval.<profile>`` of params.yaml, then ``eval.<profile>.envs.<env>``."""
     params = load_params() if params is None else params
     profile, values = _profile_values(params, "eval", env, profile)
+    if values.get("context_budget") is None:
+        values["context_budget"] = train_config(env, profile, params=params).context_budget
+    if os.environ.get("SCALINGINTER_DEVICE"):  # machine placement, from a work pool's job variables
+        values["device"] = os.environ["SCALINGINTER_DEVICE"]
     try:
         config = EvalConfig(**values)
     except ValidationError as err:
@@ -87,3 +96,77 @@ def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | N
     if config.temperature == 0 and config.k != 1:
         raise ConfigError(f"eval.{profile}: temperature 0 (greedy) gives k identical samples; set k: 1")
     return config
+
+
+class ServerConfig(BaseModel):
+    """An environment server the pipeline starts itself (params.yaml ``env_server``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 also serves other machines")
+    max_instances: int = Field(1024, ge=1, description="live instances at once (429 beyond)")
+    idle_ttl_s: float = Field(600.0, gt=0, description="idle instances are reaped after this many seconds")
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict,
+                                                         description="the environment's backend options")
+
+    def launch_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``envs.launcher.start_server``."""
+        return {"host": self.host, "max_instances": self.max_instances, "idle_ttl_s": self.idle_ttl_s,
+                **self.options}
+
+
+def server_config(env: str, params: dict[str, Any] | None = None) -> ServerConfig:
+    """``env_server`` of params.yaml with ``env_server.backend_options.<env>`` as the options."""
+    params = load_params() if params is None else params
+    section = dict(params.get("env_server") or {})
+    options = (section.pop("backend_options", None) or {}).get(env) or {}
+    try:
+        return ServerConfig(**section, options=options)
+    except ValidationError as err:
+        raise ConfigError(f"env_server in params.yaml (env {env}): {err}") from err
+
+
+def base_model_dir(params: dict[str, Any], root: Path = Path(".")) -> Path:
+    """The base model every run starts from: ``models/<model.preset>``."""
+    return base_model(str(params.get("model", {}).get("preset", "tiny")), root)
+
+
+class PhaseSpec(BaseModel):
+    """Everything one phase's training needs, as values: what its DVC stage records as params and deps."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    env: str
+    index: int
+    h: int
+    steps: int
+    init: Path
+    out: Path
+    train: TrainConfig
+    server: ServerConfig
+
+
+def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> PhaseSpec:
+    """Phase ``index`` of ``env``'s run in the working copy at ``root``: its h and steps from phases.yaml (the
+    values its stage records), its settings from params.yaml, its folders from :mod:`training.layout`.
+    ``fixed_h``: the fixed-h baseline run instead (one phase at that h for the curriculum's total steps)."""
+    params = load_params(root / "params.yaml")
+    profile = params.get("curriculum", {}).get("profile", "smoke")
+    run = Run(env, fixed_h, root)
+    if fixed_h is None:
+        table = _phases_file(root).get(env, {})
+        if f"phase_{index}" not in table:
+            raise ConfigError(f"phases.yaml has no {env}.phase_{index}: run `scalinginter pipeline`")
+        row = table[f"phase_{index}"]
+        h, steps = int(row["h"]), int(row["steps"])
+        init = base_model_dir(params, root) if index == 0 else run.final(index - 1)
+    else:
+        h, steps, init = fixed_h, curriculum_config(env, profile, params).total_steps, base_model_dir(params, root)
+    return PhaseSpec(env=env, index=index, h=h, steps=steps, init=init, out=run.phase(index),
+                     train=train_config(env, profile, params=params), server=server_config(env, params))
+
+
+def _phases_file(root: Path) -> dict[str, Any]:
+    path = root / "phases.yaml"
+    if not path.exists():
+        raise ConfigError(f"{path} not found: run `scalinginter pipeline`")
+    return yaml.safe_load(path.read_text()) or {}
+

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from training.devices import resolve_device
 from training.engine import HFEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
@@ -74,14 +75,15 @@ class EvalResult:
 
 
 def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
-             temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4
-             ) -> EvalResult:
-    """Roll out ``k`` samples per item at turn cap ``h`` and collect success and reward."""
-    model, tokenizer = load_policy(model_dir)
+             temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4,
+             context_budget: int = 8192, device: str = "cpu") -> EvalResult:
+    """Roll out ``k`` samples per item at turn cap ``h`` (and at most ``context_budget`` tokens, as in training)
+    with the model on ``device``, and collect success and reward."""
+    model, tokenizer = load_policy(model_dir, resolve_device(device))
     model.eval()
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                           context_budget=8192)
+                           context_budget=context_budget)
     rollout = Rollout(env, url, engine, tokenizer, config)
     success: dict[str, list[bool]] = {i: [] for i in item_ids}
     reward: dict[str, list[float]] = {i: [] for i in item_ids}
@@ -125,7 +127,8 @@ def summarise(result: EvalResult, sub_tasks: dict[str, str]) -> dict[str, Any]:
 
 def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items: list[dict[str, Any]], h: int,
                          k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
-                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                         progress: Callable[[str], None] | None = None, context_budget: int = 8192,
+                         device: str = "cpu") -> dict[str, Any]:
     """Evaluate each named checkpoint on the same items with the same seed: the metrics a report shows.
 
     ``items`` are split records (``item_id`` and ``sub_task``). Every checkpoint sees the same items,
@@ -134,11 +137,12 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
     sub_tasks = {r["item_id"]: r.get("sub_task", "all") for r in items}
     ids = [r["item_id"] for r in items]
     out: dict[str, Any] = {"env": env, "h": h, "k": k, "temperature": temperature, "seed": seed,
-                           "max_new_tokens": max_new_tokens, "items": len(ids), "checkpoints": {}}
+                           "max_new_tokens": max_new_tokens, "context_budget": context_budget, "items": len(ids),
+                           "checkpoints": {}}
     for name, folder in checkpoints.items():
         if progress is not None:
             progress(name)
         result = evaluate(folder, env, url, ids, h=h, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                          seed=seed, batch_items=batch_items)
+                          seed=seed, batch_items=batch_items, context_budget=context_budget, device=device)
         out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
     return out

@@ -14,26 +14,23 @@ from dvclive import Live
 
 
 def truncate_plots(folder: Path, first_step: int) -> None:
-    """Drop logged rows at or after ``first_step`` (the steps a resumed run will log again).
-
-    A metric whose last name part is ``step`` (``timing_s/step``) gets a single column from dvclive (its
-    value overwrites the step column); such files keep as many rows as the others kept.
-    """
-    tables = {}
+    """Drop logged rows at or after ``first_step`` (the steps a resumed run will log again)."""
     for tsv in (folder / "plots" / "metrics").rglob("*.tsv"):
         with tsv.open() as f:
-            tables[tsv] = list(csv.reader(f, delimiter="\t"))
-    kept_rows = None
-    for tsv, rows in tables.items():
-        if rows and len(rows[0]) > 1:
+            rows = list(csv.reader(f, delimiter="\t"))
+        if rows:
             step_col = rows[0].index("step")
-            tables[tsv] = [rows[0]] + [r for r in rows[1:] if int(r[step_col]) < first_step]
-            kept_rows = len(tables[tsv]) - 1
-    for tsv, rows in tables.items():
-        if rows and len(rows[0]) == 1 and kept_rows is not None:
-            tables[tsv] = rows[: kept_rows + 1]
+            rows = [rows[0]] + [r for r in rows[1:] if int(r[step_col]) < first_step]
         with tsv.open("w", newline="") as f:
-            csv.writer(f, delimiter="\t").writerows(tables[tsv])
+            csv.writer(f, delimiter="\t").writerows(rows)
+
+
+def check_name(name: str) -> None:
+    """Refuse a metric name dvclive cannot plot: a last part ``step`` (``timing_s/step``) shares its column
+    name with dvclive's own step column and overwrites it, so the file holds one meaningless column."""
+    if name.rsplit("/", 1)[-1] == "step":
+        raise ValueError(f"metric {name!r}: a last name part 'step' collides with dvclive's step column; "
+                         "rename it (e.g. timing_s/total)")
 
 
 class Metrics:
@@ -47,6 +44,7 @@ class Metrics:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.live.step = step
         for name, value in sorted(metrics.items()):
+            check_name(name)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.live.log_metric(name, float(value))
         self.live.next_step()

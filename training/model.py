@@ -112,6 +112,22 @@ def build_tiny(corpus: Iterable[str], out_dir: Path, seed: int = 0, preset: Pres
     return out_dir
 
 
+def materialize_hub(preset: str, out_dir: Path) -> Path:
+    """Write hub preset ``preset``'s weights and tokenizer (chat template included) to ``out_dir``, so runs start
+    from a folder DVC tracks; the download needs the hub (or its local cache)."""
+    model, tokenizer = load_policy(preset)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
 def load_policy(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import httpx
 from tqdm import tqdm
 
-from envs.client import BaseEnvClient, EnvServerError, StepOutput, step_many
+from envs.client import BaseEnvClient, EnvServerError, StepOutput, env_http, step_many
 from envs.registry import client_class
 from envs.splits import item_index
 from training.engine import PolicyEngine, SamplingParams
@@ -113,8 +113,7 @@ class Rollout:
         self.env, self.url, self.engine, self.config = env, url, engine, config
         self.chat = ChatFormat(tokenizer)
         self.client_cls = client_class(env)
-        self.http = http or httpx.Client(base_url=url, timeout=300.0,
-                                         headers={"Authorization": f"Bearer {token}"} if token else {})
+        self.http = http or env_http(url, token=token, timeout=300.0)
 
     def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
         """Roll out ``n_samples`` trajectories per item with at most ``h`` turns each."""

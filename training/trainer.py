@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 import time
@@ -30,6 +31,7 @@ from training.backends import make_backend
 from training.checkpoint import (
     MANIFEST,
     STATE,
+    CheckpointError,
     folder_hash,
     latest_checkpoint,
     prepare_staging,
@@ -109,7 +111,7 @@ class PhaseTrainer:
         resume = self._resumable(latest_checkpoint(out_dir / "intermediate"), init_checkpoint)
         source = resume or init_checkpoint
         manifest = read_manifest(source) if (source / MANIFEST).exists() else None  # refuses corrupted files
-        state = torch.load(source / STATE, weights_only=False) if (source / STATE).exists() else {}
+        state = _load_state(source / STATE) if (source / STATE).exists() else {}
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(source, self.device)
         self.reference_path = Path(state.get("reference", init_checkpoint))
@@ -120,10 +122,7 @@ class PhaseTrainer:
         self.backend = make_backend(config.backend, self.model, optimizer, config.grad_clip, config.zero_stage,
                                     config.micro_batch_size)
         self.optimizer = self.backend.optimizer
-        rank_state = source / f"optimizer_rank{self.backend.rank}.pt"
-        if "optimizer" in state or rank_state.exists():
-            self.optimizer.load_state_dict(torch.load(rank_state, weights_only=False) if rank_state.exists()
-                                           else state["optimizer"])
+        if self.backend.load_optimizer_state(source, _load_state):
             for group in self.optimizer.param_groups:
                 group["lr"] = config.lr  # a new phase may set its own learning rate
         self.critic, self.critic_optimizer = None, None
@@ -189,7 +188,7 @@ class PhaseTrainer:
             stats = self.train_step(step)
             self.ledger.wall_seconds += time.perf_counter() - started
             stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
-                      "timing_s/step": time.perf_counter() - started}
+                      "timing_s/total": time.perf_counter() - started}
             if self.metrics is not None:
                 self.metrics.log(stats, step)
             steps.set_postfix(reward=f"{stats['reward/mean']:.3f}", success=f"{stats['success/rate']:.2f}")
@@ -369,6 +368,17 @@ class PhaseTrainer:
                 prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
         self.backend.barrier()
         return folder
+
+
+def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]:
+    """Trainer or optimizer state: tensors, plain containers and the backend's own state ``classes`` only (a
+    checkpoint may come from a remote, and unpickling anything else could run code)."""
+    try:
+        with torch.serialization.safe_globals(classes or []):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path} holds objects other than tensors and plain containers; refusing to "
+                              f"unpickle it (only trainer state written by scalinginter loads): {err}") from err
 
 
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,

@@ -62,7 +62,7 @@ def load_flashrag(paths: list[str]) -> list[Question]:
 def start_retriever(method: str = "bm25", corpus: str = "world", timeout_s: float = 120.0
                     ) -> tuple[str, subprocess.Popen]:
     """Start ``python -m envs.deepsearch.retriever`` on a free port; it dies with this process."""
-    from envs.testing import start_helper
+    from envs.launcher import start_helper
 
     return start_helper("envs.deepsearch.retriever", "--method", method, "--corpus", corpus, timeout_s=timeout_s)
 
@@ -150,7 +150,7 @@ class Backend(BaseBackend):
     def shutdown(self) -> None:
         self.http.close()
         if self._proc is not None:
-            from envs.testing import stop_server
+            from envs.launcher import stop_server
 
             stop_server(self._proc)
 

@@ -74,7 +74,7 @@ def load_tasks(source: str | Path) -> list[dict[str, Any]]:
 
 def start_sites(timeout_s: float = 60.0) -> tuple[str, subprocess.Popen]:
     """Start the shipped shop and forum on a free port; they die with this process."""
-    from envs.testing import start_helper
+    from envs.launcher import start_helper
 
     return start_helper("envs.webarena.site", timeout_s=timeout_s)
 
@@ -372,6 +372,6 @@ class Backend(BaseBackend):
         finally:
             self.http.close()
             if self._sites_proc is not None:
-                from envs.testing import stop_server
+                from envs.launcher import stop_server
 
                 stop_server(self._sites_proc)

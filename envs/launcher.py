@@ -1,4 +1,5 @@
-"""Start a real environment server in a subprocess on a free localhost port (tests, benchmarks, demos)."""
+"""Start a real environment server in a subprocess on a free localhost port: the one launcher of env servers
+(the pipeline, the CLI, the retriever and site helpers, tests, benchmarks, demos)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 def start_server(
     env: str,
     *,
+    host: str = "127.0.0.1",
     max_instances: int = 1024,
     idle_ttl_s: float = 600.0,
     token: str | None = None,
@@ -52,10 +54,11 @@ def start_server(
     timeout_s: float = 60.0,
     **backend_options: Any,
 ) -> tuple[str, subprocess.Popen]:
-    """Start ``python -m envs.server ENV`` on a free port and wait until healthy: (url, process)."""
+    """Start ``python -m envs.server ENV`` on a free port and wait until healthy: (url, process). ``host`` is the
+    interface it binds (0.0.0.0 also serves other machines); the URL returned is always this machine's."""
     port = free_port()
-    cmd = [sys.executable, "-m", "envs.server", env, "--port", str(port), "--max-instances", str(max_instances),
-           "--idle-ttl", str(idle_ttl_s), "--max-body-bytes", str(max_body_bytes)]
+    cmd = [sys.executable, "-m", "envs.server", env, "--host", host, "--port", str(port), "--max-instances",
+           str(max_instances), "--idle-ttl", str(idle_ttl_s), "--max-body-bytes", str(max_body_bytes)]
     if token is not None:
         cmd += ["--token", token]
     for key, value in backend_options.items():

@@ -1,0 +1,44 @@
+"""The import contracts of pyproject.toml ([tool.importlinter]): data walks one way, flows -> tasks ->
+training -> envs; training and envs stay free of Prefect and DVC; no import circle inside a package."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).parent / "lint-imports"
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(root), "PATH": str(LINT.parent)})
+
+
+def test_the_import_contracts_hold() -> None:
+    done = _lint(ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 kept, 0 broken" in done.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "contract"), [
+    ("training/upward.py", "import tasks.stages\n", "no import upwards"),
+    ("envs/orchestrated.py", "import prefect\n", "free of Prefect and DVC"),
+    ("flows/circle.py", "import flows.cli\n", "no import circle"),
+])
+def test_a_planted_violation_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
+    for package in ("flows", "tasks", "training", "envs"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "data*"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / module).write_text(line)
+    if module == "flows/circle.py":  # close the circle: cli imports the module that imports cli
+        cli = tmp_path / "flows" / "cli.py"
+        cli.write_text("import flows.circle\n" + cli.read_text())
+    done = _lint(tmp_path)
+    assert done.returncode != 0
+    broken = [row for row in done.stdout.splitlines() if row.endswith("BROKEN")]
+    assert len(broken) == 1 and contract in broken[0], done.stdout[-2000:]

@@ -1,0 +1,77 @@
+"""Where a run's files live: every path of the pipeline comes from here.
+
+    models/<preset>/                                   the base model (params.yaml ``model.preset``)
+    runs/<env>/phase-<k>/final/                        a curriculum phase's checkpoint
+    runs/<env>/phase-<k>/{intermediate,rollouts,dvclive}/
+    runs/<env>/eval/{metrics,per_item}.json            the evaluation of the base model and every phase
+    runs/<env>-fixed-h<h>/phase-0/..., eval/           a fixed-h baseline run and its evaluation
+    reports/<env>.html, reports/index.html             the report
+
+Paths are relative to ``root``: with the default ``Path(".")`` they are the strings dvc.yaml holds; with a
+working copy's root they are the files on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNS = "runs"
+MODELS = "models"
+REPORTS = "reports"
+
+
+def base_model(preset: str, root: Path = Path(".")) -> Path:
+    """The base model folder of ``preset`` (built locally, or a hub model materialised by build-model)."""
+    return root / MODELS / preset
+
+
+def report_file(envs: list[str] | str, root: Path = Path(".")) -> Path:
+    """``reports/<env>.html`` for one environment, ``reports/index.html`` for several."""
+    envs = [envs] if isinstance(envs, str) else envs
+    return root / REPORTS / (f"{envs[0]}.html" if len(envs) == 1 else "index.html")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of an environment: its curriculum, or the fixed-h baseline at ``fixed_h``."""
+
+    env: str
+    fixed_h: int | None = None
+    root: Path = Path(".")
+
+    @property
+    def name(self) -> str:
+        return self.env if self.fixed_h is None else f"{self.env}-fixed-h{self.fixed_h}"
+
+    @property
+    def dir(self) -> Path:
+        return self.root / RUNS / self.name
+
+    def phase(self, index: int) -> Path:
+        """The phase folder: intermediate/, final/, dvclive/, rollouts/."""
+        return self.dir / f"phase-{index}"
+
+    def final(self, index: int) -> Path:
+        return self.phase(index) / "final"
+
+    def metrics(self, index: int) -> Path:
+        return self.phase(index) / "dvclive" / "metrics.json"
+
+    def plots(self, index: int) -> Path:
+        return self.phase(index) / "dvclive" / "plots" / "metrics"
+
+    def rollouts(self, index: int) -> Path:
+        return self.phase(index) / "rollouts"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.dir / "eval"
+
+    @property
+    def eval_metrics(self) -> Path:
+        return self.eval_dir / "metrics.json"
+
+    @property
+    def eval_per_item(self) -> Path:
+        return self.eval_dir / "per_item.json"
