@@ -43,6 +43,25 @@ def test_sft_trains_only_the_agents_reply(tiny_policy) -> None:
     assert trained == "Thought: pick one.\nAction: right<|im_end|>"  # not the acknowledgement "OK."
 
 
+def test_sft_masks_the_replies_without_generation_tags_in_the_template(tiny_policy) -> None:
+    """Hub templates such as Qwen2.5's have no {% generation %} tags; the mask must not depend on them (it came
+    out all zeros, and SFT trained on nothing, without an error)."""
+    import copy
+
+    tokenizer = tiny_policy[1]
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert "generation %}" not in plain.chat_template
+    conversation = [*bandit_conversation("left"), {"role": "user", "content": "You lost."},
+                    {"role": "assistant", "content": "Thought: again.\nAction: right"}]
+    tagged, untagged = to_trajectory(conversation, tokenizer), to_trajectory(conversation, plain)
+    assert untagged.input_ids == tagged.input_ids and untagged.loss_mask == tagged.loss_mask
+    trained = tokenizer.decode([i for i, m in zip(untagged.input_ids, untagged.loss_mask, strict=True) if m])
+    assert trained == "Thought: pick one.\nAction: left<|im_end|>Thought: again.\nAction: right<|im_end|>"
+    with pytest.raises(ValueError, match="at least one assistant reply"):
+        to_trajectory(conversation[:3], plain)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "ppo"])
 def test_rl_raises_success_over_the_warm_start(algorithm: str, warm_start: Path, env_server, tmp_path) -> None:

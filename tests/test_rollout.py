@@ -15,7 +15,7 @@ from envs.registry import expert
 from envs.splits import item_index, load_split
 from training.config import curriculum_config
 from training.engine import Generation, HFEngine, ScriptedEngine
-from training.rollout import ChatFormat, Rollout, RolloutConfig, _conversation_start
+from training.rollout import ChatFormat, Rollout, RolloutConfig, opening_messages
 
 
 def _engine(policy) -> HFEngine:
@@ -67,8 +67,7 @@ def _script(env: str, item: str, chat: ChatFormat) -> tuple[tuple[int, ...], lis
     first = local_client(env)
     observation = first.reset(item_index(item)).observation
     first.close()
-    messages = [*_conversation_start(first, None), {"role": "user", "content": observation}]
-    return tuple(chat.encode(chat.render(messages, generation_prompt=True))), replies, reward
+    return tuple(chat.prompt(opening_messages(first.conversation_start, observation))), replies, reward
 
 
 @pytest.mark.parametrize("env", ["textcraft", "babyai", "deepsearch"])
@@ -111,6 +110,22 @@ def test_token_ids_and_loss_mask_equal_the_chat_templates(env_server, tiny_polic
     assert any(expected_mask[:prompt]) and not any(t.loss_mask[:prompt])
     assert t.loss_mask[prompt:] == list(expected_mask[prompt:-tail])
     assert t.input_ids.count(tokenizer.eos_token_id) == 3 + 2 * len(t.turns) - 1
+
+
+def test_sft_tokenises_an_episode_exactly_as_the_rollout_does(env_server, tiny_policy) -> None:
+    """One prompt builder and one turn layout: an expert episode fed to SFT gives the very ids and loss mask of
+    the same episode rolled out through the server (so SFT trains on what RL will sample from)."""
+    from training.sft import to_trajectory
+
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    item = _items("textcraft", 1)[0]
+    key, replies, _ = _script("textcraft", item, chat)
+    config = RolloutConfig(max_new_tokens=512, context_budget=100_000)
+    t = Rollout("textcraft", env_server("textcraft"), ScriptedEngine(tokenizer, {key: replies}), tokenizer,
+                config).run([item], h=200).trajectories[0]
+    sft = to_trajectory(t.messages, tokenizer)
+    assert sft.input_ids == t.input_ids and sft.loss_mask == t.loss_mask
 
 
 def test_same_seed_same_trajectories(env_server, tiny_policy) -> None:

@@ -88,6 +88,30 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids a trajectory starts with: the opening messages and the generation prompt."""
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def reply(self, text: str) -> list[int]:
+        """An assistant turn's ids as the policy emits them: the text, then the end-of-turn id."""
+        return [*self.encode(text), self.eos_token_id]
+
+    def conversation(self, messages: list[dict[str, str]], prompt_messages: int) -> tuple[list[int], list[int]]:
+        """Token ids and loss mask of a whole conversation, laid out exactly as a rollout lays out a trajectory
+        (the first ``prompt_messages`` messages are its prompt; assistant turns after them are trained, the
+        observations between them are not). Computed from the template's rendering alone, so it needs no
+        generation tags in the template (Qwen2.5's has none)."""
+        ids = self.prompt(messages[:prompt_messages])
+        mask = [0] * len(ids)
+        for i in range(prompt_messages, len(messages)):
+            if messages[i]["role"] == "assistant":
+                piece, trained = self.reply(messages[i]["content"]), 1
+            else:
+                piece, trained = self.observation_piece(messages[:i], messages[i]["content"]), 0
+            ids += piece
+            mask += [trained] * len(piece)
+        return ids, mask
+
     def observation_piece(self, messages: list[dict[str, str]], observation: str) -> list[int]:
         """Ids between the end-of-turn id of the last assistant turn and the next assistant turn's text."""
         before = self.render(messages, generation_prompt=False)
@@ -99,10 +123,14 @@ class ChatFormat:
         return self.encode(tail + after[len(before):])
 
 
-def _conversation_start(client: BaseEnvClient, system_prompt: str | None) -> list[dict[str, str]]:
-    human, gpt = client.conversation_start
+def opening_messages(conversation_start: tuple[dict[str, Any], dict[str, Any]], first_observation: str,
+                     system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The prompt every episode starts from, for RL rollouts and SFT alike: the environment's instruction and
+    its acknowledgement (AgentGym's ``conversation_start``), then the first observation."""
+    human, gpt = conversation_start
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*messages, {"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]}]
+    return [*messages, {"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]},
+            {"role": "user", "content": first_observation}]
 
 
 class Rollout:
@@ -160,9 +188,8 @@ class Rollout:
                     raise  # a bad item id or request is the caller's mistake: fail loudly
                 t.finish("env_error", str(err))
                 continue
-            t.messages = _conversation_start(client, cfg.system_prompt)
-            t.messages.append({"role": "user", "content": first.observation})
-            t.append_prompt(self.chat.encode(self.chat.render(t.messages, generation_prompt=True)))
+            t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
+            t.append_prompt(self.chat.prompt(t.messages))
             t.prompt_length = len(t.input_ids)
             if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
                 t.finish("context_cap")

@@ -2,8 +2,9 @@
 
 Optional warm start from expert episodes (this project's smoke runs use it so a tiny random model can
 act at all); the paper-scale presets keep the paper's rule: no SFT warm-up. Conversations are the
-rollout's message lists; the loss covers exactly the assistant turns the agent wrote (the chat
-template's generation mask), never the instruction's acknowledgement, template or observation tokens.
+rollout's message lists, tokenised exactly as a rollout tokenises them (``ChatFormat.conversation``); the loss
+covers exactly the assistant turns the agent wrote, never the instruction's acknowledgement, template or
+observation tokens.
 
     scalinginter sft babyai --init models/tiny --out runs/babyai/sft --episodes 64
 """
@@ -27,6 +28,7 @@ from training.devices import resolve_device
 from training.experience import collate
 from training.losses import token_logprobs
 from training.model import load_policy
+from training.rollout import ChatFormat, opening_messages
 from training.trajectory import Trajectory
 
 
@@ -43,14 +45,13 @@ class SFTConfig(BaseModel):
 
 def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, str]]]:
     """The rollout-format message list of an expert episode on each item (played in-process)."""
-    human, gpt = spec_class(env).conversation_start
+    start = spec_class(env).conversation_start
     client = local_client(env)
     out = []
     try:
         for item in item_ids:
             texts = recorded_episode(env, client, item_index(item))
-            messages = [{"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]}]
-            messages.append({"role": "user", "content": texts[0]})
+            messages = opening_messages(start, texts[0])
             for reply, observation in zip(texts[1::2], texts[2::2], strict=True):
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
             out.append(messages[:-1])  # the episode ends with the agent's last reply
@@ -61,14 +62,15 @@ def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, s
 
 
 def to_trajectory(messages: list[dict[str, str]], tokenizer: Any, group: int = 0) -> Trajectory:
-    """Token ids and the assistant mask of a conversation; the prompt's acknowledgement is not trained."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                             return_assistant_tokens_mask=True)
-    prompt_ids = tokenizer.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True,
-                                               return_dict=True)["input_ids"]
+    """Token ids and loss mask of a conversation, token for token as a rollout of it would be (the same prompt,
+    the same turn layout); only the agent's replies after the prompt are trained, never the instruction's
+    acknowledgement. Needs no generation tags in the chat template."""
+    prompt_messages = 4 if messages and messages[0]["role"] == "system" else 3
+    if len(messages) <= prompt_messages or messages[prompt_messages]["role"] != "assistant":
+        raise ValueError("an SFT conversation is the instruction, its acknowledgement and the first observation, "
+                         "then at least one assistant reply")
     t = Trajectory(item_id="sft", group=group, sample=0)
-    t.input_ids = list(rendered["input_ids"])
-    t.loss_mask = [0] * len(prompt_ids) + list(rendered["assistant_masks"][len(prompt_ids):])
+    t.input_ids, t.loss_mask = ChatFormat(tokenizer).conversation(messages, prompt_messages)
     t.logprobs = [0.0] * len(t.input_ids)
     return t
 
