@@ -243,6 +243,8 @@ def train_phase_cmd(
                                                                   "params.yaml)")] = None,
     profile: Annotated[str | None, typer.Option(help="params.yaml train profile (default: curriculum.profile)")]
     = None,
+    adaptive: Annotated[bool, typer.Option(help="a phase of ENV's adaptive curriculum: it may end early by the "
+                                                "curriculum's adaptive rule (params.yaml)")] = False,
 ) -> None:
     """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly.
 
@@ -251,7 +253,15 @@ def train_phase_cmd(
     SCALINGINTER_DEVICE (cpu, cuda, npu ...) and SCALINGINTER_NPROC (> 1 relaunches under torchrun)."""
     from pathlib import Path
 
-    from training.config import ConfigError, PhaseSpec, base_model_dir, load_params, server_config, train_config
+    from training.config import (
+        ConfigError,
+        PhaseSpec,
+        adaptive_rule,
+        base_model_dir,
+        load_params,
+        server_config,
+        train_config,
+    )
     from training.phase import run_phase
 
     _check_env(env)
@@ -270,7 +280,8 @@ def train_phase_cmd(
         params = load_params()
         spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
                          init=Path(init) if init else base_model_dir(params),
-                         train=train_config(env, profile, overrides, params), server=server_config(env, params))
+                         train=train_config(env, profile, overrides, params), server=server_config(env, params),
+                         adaptive=adaptive_rule(env, phase, profile, params) if adaptive else None)
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     final = run_phase(spec, url, progress=True)
@@ -388,11 +399,11 @@ def lineage(env: EnvArg) -> None:
         records, problems, revision = read_lineage(env, project_root())
     except (FileNotFoundError, LookupError) as err:
         _fail(str(err))
-    table = Table("stage", "h", "steps", "algorithm", "parent", "own hash", "reward/mean", "success/rate",
-                  "wall s", title=f"{env} lineage (dvc.lock at git {revision})")
+    table = Table("stage", "h", "steps", "trained", "algorithm", "parent", "own hash", "reward/mean",
+                  "success/rate", "wall s", title=f"{env} lineage (dvc.lock at git {revision})")
     for r in records:
         fmt = {k: "-" if v is None else f"{v:.3f}" for k, v in r.metrics.items()}
-        table.add_row(r.stage, str(r.h), str(r.steps), r.algorithm, r.parent[:12], r.own[:12],
+        table.add_row(r.stage, str(r.h), str(r.steps), r.trained, r.algorithm, r.parent[:12], r.own[:12],
                       fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"), str(r.cost.get("wall_seconds", "-")))
     console.print(table)
     if problems:

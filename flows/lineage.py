@@ -32,6 +32,15 @@ class PhaseRecord:
     own: str
     metrics: dict[str, float] = field(default_factory=dict)
     cost: dict[str, float] = field(default_factory=dict)
+    curriculum: dict[str, Any] = field(default_factory=dict)  # trained steps; an adaptive phase's early advance
+
+    @property
+    def trained(self) -> str:
+        """Steps trained, with the reason when an adaptive phase advanced early ("2 of 4: ...")."""
+        done = self.curriculum.get("trained_steps", self.steps)
+        budget = self.curriculum.get("budget", self.steps)
+        reason = self.curriculum.get("advanced_early")
+        return f"{done} of {budget}: {reason}" if reason else str(done)
 
 
 def _git_revision(root: Path) -> str:
@@ -70,7 +79,8 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
             problems.append(f"{name}: {err} (run `dvc pull` to fetch it)")
             continue
         record = PhaseRecord(name, manifest["h"], manifest["steps"], manifest["algorithm"], manifest["parent"],
-                             manifest["hash"], _metrics(folder), manifest.get("cost", {}))
+                             manifest["hash"], _metrics(folder), manifest.get("cost", {}),
+                             manifest.get("curriculum", {}))
         for key in ("h", "steps", "algorithm"):
             seen = getattr(record, key)
             if locked[key] != seen:

@@ -76,7 +76,7 @@ def _lineage(env: str, root: Path) -> dict[str, Any]:
     except (FileNotFoundError, LookupError) as err:
         return {"error": str(err), "records": [], "problems": [], "revision": None}
     return {"revision": revision, "problems": problems,
-            "records": [{"stage": r.stage, "h": r.h, "steps": r.steps, "algorithm": r.algorithm,
+            "records": [{"stage": r.stage, "h": r.h, "steps": r.steps, "trained": r.trained, "algorithm": r.algorithm,
                          "parent": r.parent[:12], "own": r.own[:12]} for r in records]}
 
 

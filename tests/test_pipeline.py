@@ -145,6 +145,20 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     assert tampered.returncode == 1 and "dvc.lock says h=7, the checkpoint says 5" in tampered.stdout
 
 
+def test_adaptive_mode_reaches_the_phase_stages_as_params(tmp_path) -> None:
+    params = load_params()
+    params["pipeline"]["envs"] = ["babyai"]
+    smoke = params["curriculum"]["babyai"]["profiles"]["smoke"]
+    smoke.update(mode="adaptive", adaptive={"truncated_share": 0.6, "min_steps": 1})
+    phases = yaml.safe_load(render(params)[0])["babyai"]
+    stages = _resolved(params, tmp_path)
+    last = f"phase_{len(phases) - 1}"
+    for name, row in phases.items():
+        adaptive = name != last  # the last phase's h cannot grow
+        assert ("adaptive" in row) == adaptive and ("--adaptive" in stages[f"babyai_{name}"]["cmd"]) == adaptive
+    assert phases["phase_0"]["adaptive"]["truncated_share"] == 0.6  # a change of the rule reruns the phases
+
+
 def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps(tmp_path) -> None:
     params = load_params()
     params["pipeline"].update(envs=["babyai"], baselines=True)

@@ -73,7 +73,7 @@ def test_checkpoints_push_to_and_pull_from_s3(s3_server, tmp_path) -> None:
     shutil.rmtree(work / "runs")
     shutil.rmtree(work / "models")
     _sh(work, "dvc", "pull")
-    assert read_manifest(work / "runs/babyai/phase-1/final")["hash"] == expected  # every file's sha256 checked
+    assert read_manifest(work / "runs/babyai/phase-1/final", verify=True)["hash"] == expected  # every sha256 checked
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
 
 

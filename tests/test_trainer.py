@@ -90,7 +90,7 @@ def _sigkill_and_resume(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_a_corrupted_checkpoint_is_refused(env_server, tiny_model_dir, tmp_path) -> None:
     final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "p", config=CONFIG, url=env_server("babyai"))
-    read_manifest(final)
+    read_manifest(final, verify=True)
     with (final / "model.safetensors").open("r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01\x02")
@@ -285,3 +285,43 @@ def test_metric_names_do_not_collide_with_dvclives_step_column(env_server, tiny_
     assert not list((tmp_path / "dvclive").rglob("step.tsv"))
     with pytest.raises(ValueError, match="collides with dvclive's step column"):
         Metrics(tmp_path / "other").log({"timing_s/step": 1.0}, 0)
+
+
+def test_adaptive_curriculum_advances_early_and_hands_its_steps_on(env_server, tiny_model_dir, tmp_path) -> None:
+    """curriculum mode adaptive: a phase whose trajectories mostly hit the turn cap ends after min_steps; the
+    steps it leaves go to the next phase (the curriculum's total stays as planned); manifests say so."""
+    from training.curriculum import AdaptiveRule
+
+    url = env_server("babyai")
+    rule = AdaptiveRule(truncated_share=0.5, min_steps=1)  # the untrained policy never finishes BabyAI in a turn
+    first = train_phase("babyai", 0, 1, 3, tiny_model_dir, tmp_path / "p0", config=CONFIG, url=url, adaptive=rule)
+    record = read_manifest(first)
+    assert record["global_step"] == 1 and record["steps"] == 3  # planned 3 (dvc.lock's value), trained 1
+    assert record["curriculum"]["trained_steps"] == 1 and record["curriculum"]["unused_steps"] == 2
+    assert "hit the cap h=1" in record["curriculum"]["advanced_early"]
+    metrics = json.loads((tmp_path / "p0" / "dvclive" / "metrics.json").read_text())
+    assert metrics["curriculum"]["advanced_early"] == 1.0
+    last = read_manifest(train_phase("babyai", 1, 2, 1, first, tmp_path / "p1", config=CONFIG, url=url))
+    assert last["global_step"] == 4 and last["curriculum"]["budget"] == 3  # 1 planned + 2 handed on
+    assert last["curriculum"]["advanced_early"] is None
+    patient = AdaptiveRule(truncated_share=0.5, min_steps=10)  # the rule waits: the phase trains as planned
+    kept = read_manifest(train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path / "q0", config=CONFIG, url=url,
+                                     adaptive=patient))
+    assert kept["global_step"] == 2 and kept["curriculum"]["unused_steps"] == 0
+
+
+def test_a_checkpoint_is_hashed_when_written_and_verified_once_when_loaded(env_server, tiny_model_dir, tmp_path,
+                                                                           monkeypatch) -> None:
+    import training.checkpoint as checkpoint
+
+    final = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "p", config=CONFIG, url=env_server("babyai"))
+    hashed: list[str] = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    for _ in range(3):  # metadata reads (report, lineage, the flow's table) never hash
+        read_manifest(final)
+    assert hashed == []
+    train_phase("babyai", 1, 2, 1, final, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
+    # the next phase verifies its init once (every file, once); writing its own checkpoint hashes each new file once
+    written = read_manifest(tmp_path / "next" / "final")["files"]
+    assert sorted(hashed) == sorted([*read_manifest(final)["files"], *written])

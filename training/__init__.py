@@ -1,4 +1,4 @@
-"""Training library: the ScalingInter curriculum (pure functions), the multi-turn rollout, policy engines
-(hf, vllm), advantage estimators and losses, trainer backends (torch, deepspeed), checkpoints and metrics.
-Nothing lives here yet: it arrives with the rollout/curriculum and trainer issues. Never imports Prefect
-or DVC."""
+"""Training library: settings (``config``), the run layout, the ScalingInter curriculum (pure functions), the
+multi-turn rollout, the policy engine (transformers' ``generate``), advantage estimators and losses, the
+trainer and its strategies (torch, DeepSpeed), checkpoints, metrics, evaluation and SFT. Never imports Prefect
+or DVC (an import contract in pyproject.toml, checked by the tests)."""

@@ -101,11 +101,21 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(f.fileno())
 
 
-def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
-    """The manifest of a checkpoint; with ``verify``, every file must match its recorded sha256."""
+#: checkpoints this process has verified, keyed by their folder and every file's inode, size and mtime
+_verified: dict[tuple, dict[str, Any]] = {}
+
+
+def read_manifest(folder: Path, verify: bool = False) -> dict[str, Any]:
+    """The manifest of a checkpoint. With ``verify`` (before loading it), every file must match its recorded
+    sha256; a process verifies a checkpoint once (a file changed since is verified again), and reading
+    metadata never hashes the weights."""
     path = folder / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{folder} is not a checkpoint: {MANIFEST} is missing")
+    key = (str(folder.resolve()), *sorted((p.name, p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+                                           for p in folder.iterdir() if p.is_file()))
+    if verify and key in _verified:  # no file changed since this process verified it (stat only, no hashing)
+        return _verified[key]
     manifest = json.loads(path.read_text())
     if verify:
         for name, expected in manifest["files"].items():
@@ -115,6 +125,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
             if sha256_file(file) != expected:
                 raise CheckpointError(f"checkpoint {folder}: file {name} fails its recorded sha256 "
                                       f"(corrupted or edited); refusing to load it")
+        _verified[key] = manifest
     return manifest
 
 

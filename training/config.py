@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envs.paths import project_root
 from training.config_train import TrainConfig
-from training.curriculum import CurriculumConfig
+from training.curriculum import AdaptiveRule, CurriculumConfig
 from training.layout import Run, base_model
 
 
@@ -142,6 +142,7 @@ class PhaseSpec(BaseModel):
     out: Path
     train: TrainConfig
     server: ServerConfig
+    adaptive: AdaptiveRule | None = None  # the curriculum's adaptive mode (never on its last phase)
 
 
 def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> PhaseSpec:
@@ -151,6 +152,7 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
     params = load_params(root / "params.yaml")
     profile = params.get("curriculum", {}).get("profile", "smoke")
     run = Run(env, fixed_h, root)
+    adaptive = None
     if fixed_h is None:
         table = _phases_file(root).get(env, {})
         if f"phase_{index}" not in table:
@@ -158,10 +160,22 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
         row = table[f"phase_{index}"]
         h, steps = int(row["h"]), int(row["steps"])
         init = base_model_dir(params, root) if index == 0 else run.final(index - 1)
+        adaptive = adaptive_rule(env, index, profile, params)
     else:
         h, steps, init = fixed_h, curriculum_config(env, profile, params).total_steps, base_model_dir(params, root)
     return PhaseSpec(env=env, index=index, h=h, steps=steps, init=init, out=run.phase(index),
-                     train=train_config(env, profile, params=params), server=server_config(env, params))
+                     train=train_config(env, profile, params=params), server=server_config(env, params),
+                     adaptive=adaptive)
+
+
+def adaptive_rule(env: str, index: int, profile: str | None = None, params: dict[str, Any] | None = None
+                  ) -> AdaptiveRule | None:
+    """The rule that may end curriculum phase ``index`` early: the curriculum's ``adaptive`` settings in adaptive
+    mode, except on the last phase (whose h cannot grow); None otherwise."""
+    curriculum = curriculum_config(env, profile, params)
+    if curriculum.mode != "adaptive" or index >= len(curriculum.phases()) - 1:
+        return None
+    return curriculum.adaptive
 
 
 def _phases_file(root: Path) -> dict[str, Any]:

@@ -4,7 +4,7 @@ A batch of token-id prompts and sampling parameters go in; the new token ids and
 out, each stopping at the chat template's end-of-turn token or at ``max_new_tokens``. The log-prob of a
 token is taken under the policy at the sampling temperature (``log_softmax(logits / T)``, before top-k/p
 truncation), which is what the PPO ratio needs. ``HFEngine`` runs transformers' ``generate`` with a KV
-cache, batched with left padding, on CPU or GPU. A vLLM engine plugs in behind the same interface.
+cache, batched with left padding, on CPU or GPU. Another sampler would plug in behind the same interface.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from training.checkpoint import MANIFEST, read_manifest
 from training.devices import resolve_device
 from training.engine import HFEngine
 from training.model import load_policy
@@ -79,6 +80,8 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
              context_budget: int = 8192, device: str = "cpu") -> EvalResult:
     """Roll out ``k`` samples per item at turn cap ``h`` (and at most ``context_budget`` tokens, as in training)
     with the model on ``device``, and collect success and reward."""
+    if (Path(model_dir) / MANIFEST).exists():  # a checkpoint: verified (once per process) before it is loaded
+        read_manifest(Path(model_dir), verify=True)
     model, tokenizer = load_policy(model_dir, resolve_device(device))
     model.eval()
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -21,4 +21,4 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False) -
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(spec.env, **spec.server.launch_kwargs()))
         return train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train, url=base,
-                           progress=progress)
+                           progress=progress, adaptive=spec.adaptive)

@@ -42,6 +42,7 @@ from training.checkpoint import (
 )
 from training.config_train import TrainConfig
 from training.critic import ValueModel, explained_variance, sequence_values
+from training.curriculum import AdaptiveRule, adaptive_advance
 from training.devices import autocast, resolve_device
 from training.engine import HFEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
@@ -103,14 +104,16 @@ class PhaseTrainer:
     """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
-                 config: TrainConfig, url: str) -> None:
+                 config: TrainConfig, url: str, adaptive: AdaptiveRule | None = None) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
+        self.adaptive = adaptive
         self.out_dir = out_dir
         for folder in ("intermediate", "rollouts"):  # exist even for a 1-step phase or without rollout logs
             (out_dir / folder).mkdir(parents=True, exist_ok=True)
         resume = self._resumable(latest_checkpoint(out_dir / "intermediate"), init_checkpoint)
         source = resume or init_checkpoint
-        manifest = read_manifest(source) if (source / MANIFEST).exists() else None  # refuses corrupted files
+        # verified once before loading: a corrupted or edited file is refused
+        manifest = read_manifest(source, verify=True) if (source / MANIFEST).exists() else None
         state = _load_state(source / STATE) if (source / STATE).exists() else {}
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(source, self.device)
@@ -134,8 +137,15 @@ class PhaseTrainer:
         if "rng" in state:  # every sampling call reseeds from (seed, step, round); this keeps anything else exact
             torch.set_rng_state(state["rng"]["torch"])
         self.global_step = int(state.get("global_step", 0))
+        # adaptive curriculum: steps a previous phase left when it advanced early come to this one, so the whole
+        # curriculum trains its planned number of steps
+        carried = int((manifest or {}).get("curriculum", {}).get("unused_steps", 0)) if resume is None else 0
+        self.budget = self.steps + carried
+        self.history: list[list[float]] = [list(r) for r in state.get("adaptive_history", [])] if resume else []
+        self.advanced: str | None = None
         if resume is not None and manifest is not None:
             self.first_step, self.parent = int(manifest["phase_first_step"]), manifest["parent"]
+            self.budget = int(manifest.get("curriculum", {}).get("budget", self.steps))
             cost = manifest.get("cost", {})
             self.ledger = Ledger(int(cost.get("generated_tokens", 0)), int(cost.get("trained_tokens", 0)),
                                  float(cost.get("wall_seconds", 0.0)))
@@ -162,7 +172,7 @@ class PhaseTrainer:
         """
         if candidate is None:
             return None
-        manifest = read_manifest(candidate)
+        manifest = read_manifest(candidate, verify=True)  # the one verification: it is the source when resumed
         same = (manifest["parent"] == folder_hash(init_checkpoint) and manifest["h"] == self.h
                 and manifest["steps"] == self.steps and manifest["phase"] == self.phase
                 and manifest["config"] == json.loads(json.dumps(self.config.model_dump())))
@@ -175,27 +185,47 @@ class PhaseTrainer:
 
     @property
     def end_step(self) -> int:
-        return self.first_step + self.steps
+        return self.first_step + self.budget
+
+    def _advance_early(self, stats: dict[str, float]) -> str | None:
+        """Adaptive mode: whether the rule says h should grow now (the phase then ends here), and why."""
+        if self.adaptive is None:
+            return None
+        valid = max(stats.get("rollout/trajectories", 0.0) - stats.get("env/errors", 0.0), 1.0)
+        self.history.append([stats.get("rollout/termination/turn_cap", 0.0) / valid, stats["success/rate"]])
+        shares, success = [r[0] for r in self.history], [r[1] for r in self.history]
+        if not adaptive_advance(self.adaptive, shares, success):
+            return None
+        if shares[-1] >= self.adaptive.truncated_share:
+            return f"{shares[-1]:.0%} of trajectories hit the cap h={self.h}"
+        return f"success has not improved for {self.adaptive.plateau_steps} steps"
 
     def run(self, progress: bool = False) -> Path:
         """Train the remaining steps of the phase; return the final checkpoint folder."""
         from tqdm import tqdm
 
         steps = tqdm(range(self.global_step, self.end_step), desc=f"{self.env} phase {self.phase} (h={self.h})",
-                     disable=not progress, initial=self.global_step - self.first_step, total=self.steps)
+                     disable=not progress, initial=self.global_step - self.first_step, total=self.budget)
         for step in steps:
             started = time.perf_counter()
             stats = self.train_step(step)
             self.ledger.wall_seconds += time.perf_counter() - started
+            self.global_step = step + 1
+            self.advanced = self._advance_early(stats) if self.global_step < self.end_step else None
             stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
+                      "curriculum/advanced_early": float(self.advanced is not None),
                       "timing_s/total": time.perf_counter() - started}
             if self.metrics is not None:
                 self.metrics.log(stats, step)
             steps.set_postfix(reward=f"{stats['reward/mean']:.3f}", success=f"{stats['success/rate']:.2f}")
-            self.global_step = step + 1
-            done = self.global_step == self.end_step
+            if self.advanced is not None:
+                log.warning("%s phase %d (h=%d) advances early after step %d: %s", self.env, self.phase, self.h,
+                            step, self.advanced)
+            done = self.global_step == self.end_step or self.advanced is not None
             if done or (self.global_step - self.first_step) % self.config.save_every == 0:
                 self.save("final" if done else f"intermediate/step-{self.global_step:06d}")
+            if done:
+                break
         if self.metrics is not None:
             self.metrics.close()
         if self.steps == 0 or not (self.out_dir / "final" / MANIFEST).exists():
@@ -337,6 +367,7 @@ class PhaseTrainer:
             "global_step": self.global_step,
             "data_position": self.data.position,
             "rng": {"torch": torch.get_rng_state()},
+            "adaptive_history": self.history,
             **({"critic_optimizer": self.critic_optimizer.state_dict()} if self.critic_optimizer else {}),
             "reference": str(self.reference_path),
         }
@@ -345,6 +376,10 @@ class PhaseTrainer:
             "phase_first_step": self.first_step, "algorithm": self.config.algorithm, "seed": self.config.seed,
             "config": self.config.model_dump(), "parent": self.parent, "kind": name.split("/")[0],
             "cost": self.ledger.as_dict(),
+            "curriculum": {"mode": "adaptive" if self.adaptive else "planned", "planned_steps": self.steps,
+                           "budget": self.budget, "trained_steps": self.global_step - self.first_step,
+                           "unused_steps": self.end_step - self.global_step if self.advanced else 0,
+                           "advanced_early": self.advanced},
         }
 
         def write(tmp: Path) -> None:
@@ -382,18 +417,20 @@ def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]
 
 
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
-                config: TrainConfig, url: str, progress: bool = False) -> Path:
+                config: TrainConfig, url: str, progress: bool = False, adaptive: AdaptiveRule | None = None) -> Path:
     """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
 
-    A phase whose final checkpoint exists (and verifies) is not trained again.
+    A phase whose final checkpoint exists (and verifies) is not trained again. With ``adaptive`` (the
+    curriculum's adaptive mode; not for its last phase, whose h cannot grow), the phase ends early when the rule
+    fires, and the steps it leaves go to the next phase; its manifest says when and why.
     """
     out_dir, init_checkpoint = Path(out_dir), Path(init_checkpoint)
     final = out_dir / "final"
     if (final / MANIFEST).exists():
-        read_manifest(final)
+        read_manifest(final, verify=True)
         return final
     check_capacity(url, config.batch_items * config.n_samples)
-    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url).run(progress)
+    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive).run(progress)
 
 
 class CapacityConfigError(ValueError):
