@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from envs.files import atomic_write
 from envs.local import local_client
 from envs.registry import SERVED, expert, spec_class
 from envs.splits import item_index, load_split
@@ -69,12 +70,8 @@ CORPUS_FILE = "data/tokenizer_corpus.json.gz"
 
 def write_corpus(texts: Iterable[str], path: Path) -> Path:
     """Store ``texts`` as gzipped JSON, byte-reproducible (no timestamp in the gzip header), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
     data = json.dumps({"texts": list(texts)}, ensure_ascii=False, indent=0).encode()
-    tmp.write_bytes(gzip.compress(data, mtime=0))
-    tmp.replace(path)
-    return path
+    return atomic_write(path, gzip.compress(data, mtime=0))
 
 
 def read_corpus(path: Path) -> list[str]:

@@ -26,20 +26,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Poll ``url/health`` until it answers; fail early if the server process died."""
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0,
+                 path: str = "/health") -> dict[str, Any]:
+    """Poll ``url + path`` until it answers 200; fail early if the server process died. Returns the answer's
+    JSON ({} when it is not JSON, e.g. an S3 server's XML at ``path="/"``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"environment server exited with code {proc.returncode} before becoming healthy")
+            raise RuntimeError(f"server {url} exited with code {proc.returncode} before becoming healthy")
         try:
-            response = httpx.get(f"{url}/health", timeout=2.0)
+            response = httpx.get(f"{url}{path}", timeout=2.0)
             if response.status_code == 200:
-                return response.json()
+                try:
+                    return response.json()
+                except ValueError:
+                    return {}
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"environment server at {url} not healthy after {timeout_s:.0f} s")
+            raise TimeoutError(f"server at {url} not healthy ({path}) after {timeout_s:.0f} s")
         time.sleep(0.1)
 
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from envs.files import atomic_write
 from envs.paths import project_root
 
 
@@ -74,7 +75,7 @@ def write_splits(env: str, backend: Any, out_dir: Path | None = None, seed: int 
     for name, rows in make_split(env, labels, n_train, n_test, seed).items():
         path = out_dir / env / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=0) + "\n")
+        atomic_write(path, json.dumps(rows, indent=0) + "\n")
         paths[name] = path
     return paths
 

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from envs.corpus import CORPUS_FILE
+from envs.files import atomic_write
 from envs.paths import project_root
 from envs.registry import SERVED
 from training.config import (
@@ -178,7 +179,7 @@ def write(root: Path | None = None) -> list[Path]:
     for name, text in (("phases.yaml", phases_text), ("dvc.yaml", dvc_text)):
         path = root / name
         if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+            atomic_write(path, text)
             changed.append(path)
     return changed
 
@@ -232,7 +233,5 @@ def set_params(values: dict[str, Any], root: Path | None = None) -> dict[str, An
         rt.dump(data, buffer)
         candidate = yaml.safe_load(buffer.getvalue())
         validate(candidate)
-        tmp = path.with_suffix(".yaml.tmp")
-        tmp.write_text(buffer.getvalue())
-        tmp.replace(path)
+        atomic_write(path, buffer.getvalue())
     return before

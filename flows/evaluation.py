@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.client import server_capacity
+from envs.files import atomic_write
 from envs.launcher import running_server
 from envs.paths import project_root
 from envs.splits import load_split
@@ -93,6 +94,4 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
 
 
 def _write(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=1))

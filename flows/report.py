@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from envs.files import atomic_write
 from envs.paths import project_root
 from training.checkpoint import CheckpointError, read_manifest
 from training.config import base_model_dir, curriculum_config, load_params
@@ -137,8 +138,4 @@ def render(data: dict[str, Any]) -> str:
 
 def write_report(envs: list[str], out: Path, root: Path | None = None) -> Path:
     """Write the page for ``envs`` to ``out`` (atomically); returns ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(render(report_data(envs, root)))
-    tmp.replace(out)
-    return out
+    return atomic_write(out, render(report_data(envs, root)))

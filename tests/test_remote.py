@@ -6,14 +6,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import boto3
-import httpx
 import pytest
 
-from envs.launcher import free_port
+from envs.launcher import free_port, wait_healthy
 from tests.test_pipeline import _sh, _workspace
 from training.checkpoint import read_manifest
 
@@ -28,7 +26,7 @@ def s3_server():
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
-        _wait_s3(url, proc)
+        wait_healthy(url, proc, 60.0, path="/")  # S3 has no health endpoint: any 200 answer
         boto3.client("s3", endpoint_url=url).create_bucket(Bucket="scalinginter")
         yield url
     finally:
@@ -39,19 +37,6 @@ def s3_server():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _wait_s3(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Until the server answers any HTTP request (S3 has no health endpoint)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, "moto_server exited"
-        try:
-            httpx.get(url, timeout=2.0)
-            return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"moto_server at {url} did not answer in {timeout_s:.0f} s"
-            time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -90,20 +75,10 @@ def test_two_workers_sharing_only_the_s3_remote_leave_the_lineage_of_one_machine
     """Worker A trains phase 0 and pushes; worker B, a fresh clone with no files of A's, pulls phase 0 from S3
     and trains phase 1. The chain equals the one a single machine leaves (checkpoints are bitwise
     reproducible on CPU), and B does not retrain phase 0."""
-    short = "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 2}"
-
-    def shorten(work: Path) -> None:
-        params = (work / "params.yaml").read_text().replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
-                                                            short, 1)
-        (work / "params.yaml").write_text(params)
-        _sh(work, "scalinginter", "pipeline")
-
-    single = _workspace(tmp_path, name="single")
-    shorten(single)
+    single = _workspace(tmp_path, name="single", one_step_phases=2)
     _sh(single, "dvc", "repro", "babyai_phase_1")
     # worker A: its own working copy; code and dvc.lock travel by git (a bare origin), artifacts by S3 only
-    a = _workspace(tmp_path, name="a")
-    shorten(a)
+    a = _workspace(tmp_path, name="a", one_step_phases=2)
     _sh(a, "dvc", "remote", "add", "-d", "s3", "s3://scalinginter/cache")
     _sh(a, "dvc", "remote", "modify", "s3", "endpointurl", s3_server)
     git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]

@@ -110,6 +110,10 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     assert len(list((tmp_path / "rollouts").glob("step-*.jsonl"))) == 2
     cost = read_manifest(final)["cost"]
     assert cost["generated_tokens"] > 0 and cost["trained_tokens"] > 0 and cost["wall_seconds"] > 0
+    card = (final / "README.md").read_text()  # a model card a user can hand on with the HF folder
+    assert card.startswith("---\nlibrary_name: transformers") and "turn cap h | 2 |" in card
+    manifest = read_manifest(final)
+    assert f"`{manifest['parent']}`" in card and "babyai" in card and "README.md" in manifest["files"]
 
 
 def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path) -> None:
@@ -210,7 +214,7 @@ def test_dropping_flat_groups_updates_on_the_mixed_groups_only(env_server, bandi
     assert json.loads((out / "final" / "manifest.json").read_text())["cost"]["trained_tokens"] == mixed_tokens
 
 
-@pytest.mark.parametrize("update", [{"algorithm": "ppo"}, {"kl_in_reward": True}, {"backend": "deepspeed"}])
+@pytest.mark.parametrize("update", [{"algorithm": "ppo"}, {"kl_in_reward": True}, {"strategy": "deepspeed"}])
 def test_drop_flat_groups_refuses_what_it_cannot_serve(update: dict) -> None:
     with pytest.raises(ValueError, match="drop_flat_groups"):
         TrainConfig(drop_flat_groups=True, **update)

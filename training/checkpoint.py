@@ -143,3 +143,32 @@ def prune(folder: Path, keep: int) -> None:
     steps = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in steps[:-keep] if keep > 0 else steps:
         shutil.rmtree(old)
+
+
+def model_card(record: dict[str, Any], stats: dict[str, float]) -> str:
+    """A Hugging Face model card (README.md) for a phase's final checkpoint: what it is, where it came from
+    (env, h, steps, parent hash) and its last training step's metrics. Deterministic (no timings, no dates),
+    so the same training gives the same checkpoint hash; evaluation results live in the run's eval stage
+    (``runs/<env>/eval/metrics.json``), which comes after the checkpoint."""
+    config = record.get("config", {})
+    metrics = {k: stats[k] for k in ("reward/mean", "success/rate", "turns/mean") if k in stats}
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
+             f"tags: [scalinginter, agentgym-rl, {record['env']}, {record['algorithm']}]", "---", "",
+             f"# scalinginter: {record['env']} phase {record['phase']} (h={record['h']})", "",
+             f"A policy trained with multi-turn RL under the ScalingInter-RL curriculum on **{record['env']}**: "
+             f"curriculum phase {record['phase']} at turn cap h={record['h']}, {record['steps']} planned steps "
+             f"(training steps {record['phase_first_step']}..{record['global_step'] - 1}), "
+             f"{record['algorithm']}, seed {record['seed']}.", "",
+             "| field | value |", "|---|---|",
+             f"| environment | {record['env']} |", f"| phase | {record['phase']} |", f"| turn cap h | {record['h']} |",
+             f"| steps (planned) | {record['steps']} |", f"| global step | {record['global_step']} |",
+             f"| parent checkpoint (sha256 of its files) | `{record['parent']}` |",
+             f"| algorithm | {record['algorithm']} |", f"| learning rate | {config.get('lr')} |",
+             f"| samples per item | {config.get('n_samples')} |", f"| strategy, precision | "
+             f"{config.get('strategy')}, {config.get('precision')} |"]
+    lines += [f"| last step {name} | {value:.4f} |" for name, value in metrics.items()]
+    lines += ["", "Load it with `transformers` (`AutoModelForCausalLM.from_pretrained(folder)`; the tokenizer and "
+              "chat template are in the folder). The evaluation of this checkpoint (Avg@k, Pass@k, success with "
+              "95% CIs) is in the run's `eval/metrics.json`; `manifest.json` lists every file's sha256 and the "
+              "full training config.", ""]
+    return "\n".join(lines)

@@ -12,8 +12,9 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
-    backend: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (deepspeed backend)")
+    strategy: Literal["torch", "deepspeed"] = Field("torch", description="who applies the loss to the weights: "
+                                                    "plain torch, or DeepSpeed ZeRO over SCALINGINTER_NPROC ranks")
+    zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (deepspeed strategy)")
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N]")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 autocasts the forward passes (weights and optimizer stay float32)")
@@ -68,12 +69,12 @@ class TrainConfig(BaseModel):
         if self.drop_flat_groups and self.kl_in_reward:
             raise ValueError("drop_flat_groups decides on the outcome rewards, which kl_in_reward changes per "
                              "token: use the KL loss (kl_in_reward false) with drop_flat_groups")
-        if self.drop_flat_groups and self.backend == "deepspeed":
+        if self.drop_flat_groups and self.strategy == "deepspeed":
             raise ValueError("drop_flat_groups leaves each rank a different number of trajectories, so the "
-                             "ranks' gradient all-reduces would not line up: use it with the torch backend")
-        if self.backend == "deepspeed" and self.zero_stage == 3:
+                             "ranks' gradient all-reduces would not line up: use it with the torch strategy")
+        if self.strategy == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
-                             "use zero_stage 1 or 2 (ZeRO-3 is checked by training.backend_check)")
+                             "use zero_stage 1 or 2 (ZeRO-3 is checked by training.strategy_check)")
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size {self.mini_batch_size} must be a multiple of micro_batch_size "
                              f"{self.micro_batch_size}")

@@ -27,13 +27,13 @@ import torch
 
 from envs.splits import load_split
 from training.advantages import flat_rows, masked_mean
-from training.backends import make_backend
 from training.checkpoint import (
     MANIFEST,
     STATE,
     CheckpointError,
     folder_hash,
     latest_checkpoint,
+    model_card,
     prepare_staging,
     prune,
     read_manifest,
@@ -50,6 +50,7 @@ from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, write_rollout_log
+from training.strategy import make_strategy
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,10 @@ class PhaseTrainer:
         if config.kl_coef:
             self.reference = load_policy(self.reference_path, self.device)[0].eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.backend = make_backend(config.backend, self.model, optimizer, config.grad_clip, config.zero_stage,
+        self.strategy = make_strategy(config.strategy, self.model, optimizer, config.grad_clip, config.zero_stage,
                                     config.micro_batch_size)
-        self.optimizer = self.backend.optimizer
-        if self.backend.load_optimizer_state(source, _load_state):
+        self.optimizer = self.strategy.optimizer
+        if self.strategy.load_optimizer_state(source, _load_state):
             for group in self.optimizer.param_groups:
                 group["lr"] = config.lr  # a new phase may set its own learning rate
         self.critic, self.critic_optimizer = None, None
@@ -143,6 +144,7 @@ class PhaseTrainer:
         self.budget = self.steps + carried
         self.history: list[list[float]] = [list(r) for r in state.get("adaptive_history", [])] if resume else []
         self.advanced: str | None = None
+        self.last_stats: dict[str, float] = {}
         if resume is not None and manifest is not None:
             self.first_step, self.parent = int(manifest["phase_first_step"]), manifest["parent"]
             self.budget = int(manifest.get("curriculum", {}).get("budget", self.steps))
@@ -153,7 +155,7 @@ class PhaseTrainer:
             self.first_step, self.parent = self.global_step, folder_hash(init_checkpoint)
             self.ledger = Ledger()
         self.data = DataStream(env, config, int(state.get("data_position", 0)))
-        self.leader = self.backend.rank == 0  # only rank 0 logs metrics and writes the shared files
+        self.leader = self.strategy.rank == 0  # only rank 0 logs metrics and writes the shared files
         self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None) \
             if self.leader else None
         if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
@@ -211,6 +213,7 @@ class PhaseTrainer:
             stats = self.train_step(step)
             self.ledger.wall_seconds += time.perf_counter() - started
             self.global_step = step + 1
+            self.last_stats = stats
             self.advanced = self._advance_early(stats) if self.global_step < self.end_step else None
             stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
                       "curriculum/advanced_early": float(self.advanced is not None),
@@ -237,7 +240,7 @@ class PhaseTrainer:
         cfg = self.config
         t0 = time.perf_counter()
         self.model.eval()
-        items = self.data.take(cfg.batch_items)[self.backend.rank::self.backend.world_size]  # data parallel
+        items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
         result = self.rollout.run(items, self.h, step=step)
         if cfg.log_rollouts and self.leader:
             write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step)
@@ -275,7 +278,7 @@ class PhaseTrainer:
     def _has_signal(self, exp: Experience) -> bool:
         """Whether any trajectory of this step, on any rank, has a non-zero advantage."""
         signal = torch.tensor([float(bool((exp.advantages * exp.mask).abs().sum() > 0))], device=self.device)
-        if self.backend.world_size > 1:  # every rank must take the same decision, or the all-reduces desync
+        if self.strategy.world_size > 1:  # every rank must take the same decision, or the all-reduces desync
             import torch.distributed as dist
 
             dist.all_reduce(signal)
@@ -325,7 +328,7 @@ class PhaseTrainer:
             ids = micro.input_ids.to(self.device)
             mask = micro.mask.to(self.device)
             with autocast(self.device, cfg.precision):
-                logprobs, entropy = policy_forward(self.backend.forward, ids, micro.attention_mask.to(self.device),
+                logprobs, entropy = policy_forward(self.strategy.forward, ids, micro.attention_mask.to(self.device),
                                                    mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0)
             loss = actor_loss(
                 logprobs, micro.old_logprobs.to(self.device),
@@ -334,12 +337,12 @@ class PhaseTrainer:
                 else micro.ref_logprobs.to(self.device),
                 kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef)
             share = float(mask.sum() / total_tokens)
-            self.backend.backward(loss.loss * share, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
+            self.strategy.backward(loss.loss * share, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
             for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
                                ("actor/kl", loss.kl), ("actor/entropy", loss.entropy),
                                ("actor/approx_kl", loss.approx_kl)):
                 parts[key] += value * share
-        grad_norm = self.backend.step()
+        grad_norm = self.strategy.step()
         if self.critic is not None:
             parts |= self._critic_update(mb)
         return parts | {"actor/grad_norm": float(grad_norm)}
@@ -383,30 +386,32 @@ class PhaseTrainer:
         }
 
         def write(tmp: Path) -> None:
-            self.backend.save_model(tmp)
+            self.strategy.save_model(tmp)
             self.tokenizer.save_pretrained(tmp)
+            if name == "final":
+                (tmp / "README.md").write_text(model_card(record, self.last_stats))
             torch.save(state, tmp / STATE)
             if self.critic is not None:
                 self.critic.save(tmp)
 
         # Every rank writes its optimizer partition into one shared staging folder; rank 0 adds the rest,
         # the manifest, and renames it into place (so the checkpoint appears whole or not at all).
-        tmp = staging_folder(folder, shared=self.backend.world_size > 1)
+        tmp = staging_folder(folder, shared=self.strategy.world_size > 1)
         if self.leader:
             prepare_staging(tmp)
-        self.backend.barrier()
-        torch.save(self.backend.optimizer_state(), tmp / f"optimizer_rank{self.backend.rank}.pt")
-        self.backend.barrier()
+        self.strategy.barrier()
+        torch.save(self.strategy.optimizer_state(), tmp / f"optimizer_rank{self.strategy.rank}.pt")
+        self.strategy.barrier()
         if self.leader:
             write_checkpoint(folder, write, record, tmp=tmp)
             if name.startswith("intermediate"):
                 prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
-        self.backend.barrier()
+        self.strategy.barrier()
         return folder
 
 
 def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]:
-    """Trainer or optimizer state: tensors, plain containers and the backend's own state ``classes`` only (a
+    """Trainer or optimizer state: tensors, plain containers and the strategy's own state ``classes`` only (a
     checkpoint may come from a remote, and unpickling anything else could run code)."""
     try:
         with torch.serialization.safe_globals(classes or []):

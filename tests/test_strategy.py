@@ -1,4 +1,4 @@
-"""Backends: DeepSpeed ZeRO over two CPU processes (gloo) trains exactly like the torch backend."""
+"""Strategies: DeepSpeed ZeRO over two CPU processes (gloo) trains exactly like plain torch."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def _losses(cmd: list[str]) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3])
-def test_deepspeed_two_processes_match_the_torch_backend(tiny_model_dir, zero: int) -> None:
+def test_deepspeed_two_processes_match_the_torch_strategy(tiny_model_dir, zero: int) -> None:
     pytest.importorskip("deepspeed")
-    check = ["-m", "training.backend_check", "--model", str(tiny_model_dir), "--steps", "3"]
-    reference = _losses([sys.executable, *check, "--backend", "torch"])
+    check = ["-m", "training.strategy_check", "--model", str(tiny_model_dir), "--steps", "3"]
+    reference = _losses([sys.executable, *check, "--strategy", "torch"])
     distributed = _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29500 + zero), *check, "--backend", "deepspeed", "--zero", str(zero)])
+                           "--master_port", str(29500 + zero), *check, "--strategy", "deepspeed", "--zero", str(zero)])
     assert distributed == pytest.approx(reference, rel=1e-5, abs=1e-6)
     assert reference[0] != reference[-1]  # the weights really moved between steps
 
@@ -57,14 +57,14 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     cmd = [sys.executable, "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2",
            "--init", str(tiny_model_dir), "--out", str(out), "--url", env_server("bandit"), "--set", "batch_items=4",
            "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "mini_batch_size=4",
-           "--set", "micro_batch_size=2", "--set", "backend=deepspeed", "--set", "zero_stage=2"]
+           "--set", "micro_batch_size=2", "--set", "strategy=deepspeed", "--set", "zero_stage=2"]
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1", "SCALINGINTER_NPROC": "2",
            "SCALINGINTER_DEVICE": "cpu"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_manifest(out / "final", verify=True)  # every file matches its sha256
     assert {"optimizer_rank0.pt", "optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
-    assert manifest["global_step"] == 2 and manifest["config"]["backend"] == "deepspeed"
+    assert manifest["global_step"] == 2 and manifest["config"]["strategy"] == "deepspeed"
     assert not list(out.glob(".tmp-*"))  # no staging folder left behind
     # the next phase loads each rank's ZeRO optimizer state (weights_only, with DeepSpeed's own state classes)
     nxt = tmp_path / "next"

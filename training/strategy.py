@@ -1,4 +1,4 @@
-"""Trainer backends: who applies a loss to the weights.
+"""Training strategies: who applies a loss to the weights (plain torch, or DeepSpeed ZeRO over ranks).
 
 * ``torch``: one process, CPU or one GPU; AdamW with gradient clipping.
 * ``deepspeed``: DeepSpeed's own engine with ZeRO stage 1, 2 or 3, over several processes (launched by
@@ -21,8 +21,8 @@ import torch
 StateLoader = Callable[[Path, list[type]], dict[str, Any]]
 
 
-class Backend(Protocol):
-    """What the trainer asks of a backend."""
+class Strategy(Protocol):
+    """What the trainer asks of a strategy."""
 
     model: torch.nn.Module
     rank: int
@@ -46,7 +46,7 @@ class Backend(Protocol):
     def barrier(self) -> None: ...
 
 
-class TorchBackend:
+class TorchStrategy:
     """Plain torch: backward, clip, AdamW step."""
 
     rank, world_size = 0, 1
@@ -83,7 +83,7 @@ class TorchBackend:
         return True
 
 
-class DeepSpeedBackend:
+class DeepSpeedStrategy:
     """DeepSpeed's engine with ZeRO; gradients are averaged over ranks (data parallel)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -153,11 +153,11 @@ class DeepSpeedBackend:
         return True
 
 
-def make_backend(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                 zero_stage: int = 2, micro_batch_size: int = 1) -> Backend:
-    """The backend called ``name`` (torch or deepspeed)."""
+def make_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                 zero_stage: int = 2, micro_batch_size: int = 1) -> Strategy:
+    """The strategy called ``name`` (torch or deepspeed)."""
     if name == "torch":
-        return TorchBackend(model, optimizer, grad_clip)
+        return TorchStrategy(model, optimizer, grad_clip)
     if name == "deepspeed":
-        return DeepSpeedBackend(model, optimizer, grad_clip, zero_stage, micro_batch_size)
-    raise ValueError(f"unknown backend {name!r}: choose torch or deepspeed")
+        return DeepSpeedStrategy(model, optimizer, grad_clip, zero_stage, micro_batch_size)
+    raise ValueError(f"unknown strategy {name!r}: choose torch or deepspeed")
