@@ -32,6 +32,7 @@ from training.config import (
     curriculum_config,
     eval_config,
     load_params,
+    parse_params,
     server_config,
     train_config,
 )
@@ -76,7 +77,7 @@ def _phase_stage(cmd: str, run: Run, index: int, deps: list[str], params: list[A
         # the stage up to date. Persistent: a resumed phase appends to its rollouts and metrics (a fresh run
         # clears them itself). intermediate/ (resume checkpoints) is the trainer's scratch space, not an
         # output: it survives a killed run and never travels.
-        "outs": [str(run.final(index)), {str(run.rollouts(index)): {"persist": True}}],
+        "outs": [str(run.final(index)), str(run.state(index)), {str(run.rollouts(index)): {"persist": True}}],
         "metrics": [{str(run.metrics(index)): {"persist": True}}],
         "plots": [{str(run.plots(index)): {"persist": True, "x": "step"}}],
     }
@@ -111,17 +112,17 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
         },
     }
     for env, phases in table.items():
-        run, parent = Run(env), BASE
+        run, parent, parent_state = Run(env), BASE, []
         train_deps = [f"data/{env}/train.json", f"envs/{env}", *TRAIN_CODE]
         for name in phases:
             index = int(name.split("_")[1])
             cmd = (f"{CLI} train-phase {env} --phase {index} --h ${{{env}.{name}.h}} --steps ${{{env}.{name}.steps}} "
                    f"--init {parent} --out {run.phase(index)} --profile ${{curriculum.profile}}"
                    + (" --adaptive" if "adaptive" in phases[name] else ""))
-            out[f"{env}_{name}"] = _phase_stage(cmd, run, index, [parent, *train_deps],
+            out[f"{env}_{name}"] = _phase_stage(cmd, run, index, [parent, *parent_state, *train_deps],
                                                 [{"phases.yaml": [f"{env}.{name}"]}, f"train.{profile}",
                                                  "curriculum.profile"])
-            parent = str(run.final(index))
+            parent, parent_state = str(run.final(index)), [str(run.state(index))]
         finals = [str(run.final(int(name.split("_")[1]))) for name in phases]
         last = list(phases)[-1]
         eval_deps = [f"data/{env}/test.json", f"envs/{env}", *EVAL_CODE]
@@ -231,7 +232,7 @@ def set_params(values: dict[str, Any], root: Path | None = None) -> dict[str, An
 
         buffer = io.StringIO()
         rt.dump(data, buffer)
-        candidate = yaml.safe_load(buffer.getvalue())
+        candidate = parse_params(buffer.getvalue())
         validate(candidate)
         atomic_write(path, buffer.getvalue())
     return before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,8 +20,42 @@ from training.layout import Run, report_file
 from training.phase import run_phase as train_one_phase
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> str:
-    return run_command(cmd, project_root(), env)
+def _run(cmd: list[str], env: dict[str, str] | None = None, secret: bool = False) -> str:
+    return run_command(cmd, project_root(), env, secret)
+
+
+#: the Prefect Secret block that may hold the S3 remote's credentials (JSON: aws_access_key_id,
+#: aws_secret_access_key, optionally aws_session_token)
+S3_SECRET_BLOCK = "scalinginter-s3"
+
+
+def remote_credentials() -> dict[str, str]:
+    """Credentials for DVC's S3 remote as AWS_* variables of the dvc commands only: from the Prefect Secret block
+    named by ``SCALINGINTER_S3_SECRET`` (default ``scalinginter-s3``) when it exists, else none (DVC then takes
+    the environment's AWS_* variables or its own ``config.local``). They never reach a log or an artifact."""
+    from prefect.blocks.system import Secret
+
+    name = os.environ.get("SCALINGINTER_S3_SECRET", S3_SECRET_BLOCK)
+    try:
+        value = Secret.load(name).get()
+    except ValueError:  # no such block
+        return {}
+    if isinstance(value, str):
+        value = json.loads(value)
+    missing = {"aws_access_key_id", "aws_secret_access_key"} - set(value)
+    if missing:
+        raise ValueError(f"Prefect Secret block {name!r} lacks {', '.join(sorted(missing))}")
+    return {key.upper(): str(value[key]) for key in ("aws_access_key_id", "aws_secret_access_key",
+                                                      "aws_session_token") if value.get(key)}
+
+
+def push_artifacts() -> bool:
+    """``dvc push`` to the configured DVC remote (credentials from :func:`remote_credentials`); False when no
+    remote is configured."""
+    if not _run(["dvc", "remote", "list"]).strip():
+        return False
+    _run(["dvc", "push"], env=remote_credentials(), secret=True)
+    return True
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
@@ -100,8 +135,7 @@ def version(message: str, record: Record = "commit", push: bool = True) -> str:
             _run(["git", "commit", "-m", message])  # git's own author; a missing one is git's error, shown
             done.append("committed")
     if push:
-        if _run(["dvc", "remote", "list"]).strip():
-            _run(["dvc", "push"])
+        if push_artifacts():
             done.append("artifacts pushed to the DVC remote")
         remotes = _run(["git", "remote"]).split()
         if remotes:  # the first one (origin, as a clone names it)

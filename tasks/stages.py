@@ -24,15 +24,23 @@ from typing import Literal
 Outcome = Literal["skipped", "in_process", "subprocess"]
 
 
-def run_command(cmd: list[str], root: Path, env: dict[str, str] | None = None) -> str:
-    """Run ``cmd`` in ``root``; its stdout, or a RuntimeError carrying the tail of its output."""
+def run_command(cmd: list[str], root: Path, env: dict[str, str] | None = None, secret: bool = False) -> str:
+    """Run ``cmd`` in ``root``; its stdout, or a RuntimeError carrying the tail of its output. With ``secret``,
+    the values of ``env`` (credentials) are blanked out of whatever is returned or raised."""
     # dvc and the stages' `scalinginter` live beside this interpreter, activated or not
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     done = subprocess.run(cmd, cwd=root, env={**os.environ, "PATH": path, **(env or {})},
                           capture_output=True, text=True)
+
+    def clean(text: str) -> str:
+        for value in (env or {}).values() if secret else ():
+            text = text.replace(value, "***") if value else text
+        return text
+
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return done.stdout
+        raise RuntimeError(clean(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                                 f"{done.stderr[-4000:]}"))
+    return clean(done.stdout)
 
 
 def run_stage(root: Path, stage: str, url: str, work: Callable[[], object] | None = None) -> Outcome:

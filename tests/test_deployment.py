@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from envs.launcher import free_port, wait_healthy
 from tests.test_pipeline import _workspace
@@ -74,7 +76,9 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch"):
             assert f"scalinginter/{name}" in deployed
         worker = start("worker", "worker", "start", "--pool", "scalinginter-cpu")
-        run = prefect("deployment", "run", "scalinginter/babyai", "--watch", timeout=1200)  # ~2 min quiet
+        # deployment parameters reach DVC as params: the override lands in params.yaml and dvc.lock
+        run = prefect("deployment", "run", "scalinginter/babyai", "-p", "profile=smoke", "-p",
+                      'overrides={"train.smoke.lr": 2e-05}', "--watch", timeout=1200)  # ~2 min quiet
         assert "Completed" in run, run[-3000:]
     finally:
         if worker is not None:
@@ -85,3 +89,8 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
     assert (work / "runs/babyai/eval/metrics.json").exists() and (work / "reports/babyai.html").exists()
     history = subprocess.run(["git", "log", "--format=%s"], cwd=work, capture_output=True, text=True).stdout
     assert "scalinginter babyai (smoke): 3 phases" in history
+    assert json.loads((work / "runs/babyai/phase-2/final/manifest.json").read_text())["config"]["lr"] == 2e-05
+    locked = yaml.safe_load((work / "dvc.lock").read_text())["stages"]["babyai_phase_0"]["params"]["params.yaml"]
+    assert float(locked["train.smoke"]["lr"]) == 2e-05
+    committed = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=work, capture_output=True, text=True).stdout
+    assert "lr: 2.0e-05" in committed or "lr: 2e-05" in committed  # the lineage commit holds the setting

@@ -259,3 +259,28 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     assert shown["h1"]["params"]["phases.yaml"]["data"]["babyai"]["phase_0"]["h"] == 3
     _sh(work, "dvc", "exp", "apply", "code")
     assert (work / "data/babyai/train.json").read_text().startswith('[\n  {\n    "item_id"')  # indent=2: its code
+
+
+def test_one_run_at_a_time_holds_a_working_copy(tmp_path) -> None:
+    """Two flow runs in one working copy would share dvc.lock, the git index and the run folders: the second
+    fails at once, naming the lock; another working copy is not held."""
+    from flows.scalinginter_flow import working_copy_lock
+    from training.config import ConfigError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from flows.scalinginter_flow import working_copy_lock\n"
+                               f"with working_copy_lock(Path({str(tmp_path / 'a')!r})):\n"
+                               "    print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="another scalinginter run holds the working copy"), \
+                working_copy_lock(tmp_path / "a"):
+            pass
+        with working_copy_lock(tmp_path / "b"):  # a clone of its own runs side by side
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with working_copy_lock(tmp_path / "a"):  # released when its holder died
+        pass

@@ -99,3 +99,40 @@ def test_two_workers_sharing_only_the_s3_remote_leave_the_lineage_of_one_machine
     assert "Running stage 'babyai_phase_1'" in ran_b
     assert "Running stage 'babyai_phase_0'" not in ran_b and "Running stage 'build_model'" not in ran_b
     assert _records(b) == _records(single)
+
+
+@pytest.mark.slow
+def test_s3_credentials_come_from_a_prefect_secret_block_and_stay_out_of_messages(s3_server, tmp_path,
+                                                                                 monkeypatch) -> None:
+    from prefect.blocks.system import Secret
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.pipeline import push_artifacts
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"],
+                ["dvc", "remote", "add", "-d", "s3", "s3://scalinginter/secret"],
+                ["dvc", "remote", "modify", "s3", "endpointurl", s3_server]):
+        _sh(repo, *cmd)
+    (repo / "weights.bin").write_bytes(b"\x01" * 1000)
+    _sh(repo, "dvc", "add", "weights.bin")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # nothing in the environment: only the block
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SCALINGINTER_ROOT", str(repo))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    secret = {"aws_access_key_id": "AKIASECRETID0000", "aws_secret_access_key": "s3cr3t-key-that-must-not-leak"}
+    bucket = boto3.client("s3", endpoint_url=s3_server, aws_access_key_id="x", aws_secret_access_key="y",
+                          region_name="us-east-1")
+    with prefect_test_harness():
+        with pytest.raises(RuntimeError, match="dvc push failed"):  # no block, no environment: no credentials
+            push_artifacts()
+        Secret(value=secret).save("scalinginter-s3")
+        assert push_artifacts()
+        assert bucket.list_objects_v2(Bucket="scalinginter", Prefix="secret")["KeyCount"] > 0
+        _sh(repo, "dvc", "remote", "modify", "s3", "url", "s3://no-such-bucket/x")
+        with pytest.raises(RuntimeError) as failed:  # a failure's message never carries the credentials
+            push_artifacts()
+    assert secret["aws_secret_access_key"] not in str(failed.value)
+    assert secret["aws_access_key_id"] not in str(failed.value)

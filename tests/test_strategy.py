@@ -63,7 +63,7 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_manifest(out / "final", verify=True)  # every file matches its sha256
-    assert {"optimizer_rank0.pt", "optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
+    assert {"state/optimizer_rank0.pt", "state/optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
     assert manifest["global_step"] == 2 and manifest["config"]["strategy"] == "deepspeed"
     assert not list(out.glob(".tmp-*"))  # no staging folder left behind
     # the next phase loads each rank's ZeRO optimizer state (weights_only, with DeepSpeed's own state classes)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from envs.launcher import ROOT, running_server
-from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest
+from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest, state_folder
 from training.config_train import TrainConfig
 from training.trainer import train_phase
 
@@ -114,21 +114,25 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     assert card.startswith("---\nlibrary_name: transformers") and "turn cap h | 2 |" in card
     manifest = read_manifest(final)
     assert f"`{manifest['parent']}`" in card and "babyai" in card and "README.md" in manifest["files"]
+    # final/ is a clean Hugging Face folder; optimizer and trainer state live beside it, in the manifest too
+    assert not [f.name for f in final.iterdir() if f.suffix == ".pt"]
+    assert {f.name for f in (tmp_path / "final-state").iterdir()} == {"trainer_state.pt", "optimizer_rank0.pt"}
+    assert {"state/trainer_state.pt", "state/optimizer_rank0.pt"} <= set(manifest["files"])
 
 
 def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path) -> None:
     once = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "one", config=CONFIG, url=env_server("babyai"))
     twice = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "two", url=env_server("babyai"),
                         config=CONFIG.model_copy(update={"ppo_epochs": 2}))
-    state_one = torch.load(once / "optimizer_rank0.pt", weights_only=False)["state"]
-    state_two = torch.load(twice / "optimizer_rank0.pt", weights_only=False)["state"]
+    state_one = torch.load(state_folder(once) / "optimizer_rank0.pt", weights_only=True)["state"]
+    state_two = torch.load(state_folder(twice) / "optimizer_rank0.pt", weights_only=True)["state"]
     assert float(state_two[0]["step"]) == 2 * float(state_one[0]["step"])
 
 
 def test_ppo_trains_a_critic_and_saves_it(env_server, tiny_model_dir, tmp_path) -> None:
     config = CONFIG.model_copy(update={"algorithm": "ppo"})
     final = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path, config=config, url=env_server("babyai"))
-    assert "critic.safetensors" in read_manifest(final)["files"]
+    assert "state/critic.safetensors" in read_manifest(final)["files"]
     metrics = json.loads((tmp_path / "dvclive" / "metrics.json").read_text())
     assert {"value_loss", "vf_explained_var", "values_mean", "returns_mean"} <= set(metrics["critic"])
 
@@ -267,10 +271,10 @@ def test_trainer_state_that_is_not_plain_data_is_refused(env_server, tiny_model_
     record = {k: v for k, v in read_manifest(final).items() if k not in ("files", "hash")}
 
     def write(tmp: Path) -> None:
-        for f in final.iterdir():
+        for f in [*final.iterdir(), *state_folder(final).iterdir()]:
             if f.name != "manifest.json":
                 (tmp / f.name).write_bytes(f.read_bytes())
-        state = torch.load(final / STATE, weights_only=True)
+        state = torch.load(state_folder(final) / STATE, weights_only=True)
         torch.save({**state, "extra": _RunsCode(marker)}, tmp / STATE)
 
     hostile = tmp_path / "hostile"
@@ -328,4 +332,5 @@ def test_a_checkpoint_is_hashed_when_written_and_verified_once_when_loaded(env_s
     train_phase("babyai", 1, 2, 1, final, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
     # the next phase verifies its init once (every file, once); writing its own checkpoint hashes each new file once
     written = read_manifest(tmp_path / "next" / "final")["files"]
-    assert sorted(hashed) == sorted([*read_manifest(final)["files"], *written])
+    names = [name.removeprefix("state/") for name in [*read_manifest(final)["files"], *written]]
+    assert sorted(hashed) == sorted(names)

@@ -1,16 +1,20 @@
 """Checkpoints: an HF-format model folder plus trainer state, written atomically and verified on load.
 
-A checkpoint folder holds the model (``config.json``, ``model.safetensors``, tokenizer files), the
-trainer state (``trainer_state.pt``: optimizer, RNG states, data position, global step) and
-``manifest.json`` (phase index, h, the full config, the parent checkpoint's hash, and the sha256 of
-every file). It is written into a temporary sibling folder and renamed into place, so a crash leaves
-either the old checkpoint or the new one, never half of one. A checkpoint whose files fail their
+A checkpoint holds the model (``config.json``, ``model.safetensors``, tokenizer files and chat template),
+the trainer state (``trainer_state.pt``: RNG states, data position, global step; ``optimizer_rank<r>.pt``;
+a PPO critic) and ``manifest.json`` (phase index, h, the full config, the parent checkpoint's hash, and
+the sha256 of every file). An exported checkpoint (a phase's ``final``) is a clean Hugging Face folder (the
+model, its tokenizer, a model card, the manifest) with its trainer state beside it in ``<name>-state/``
+(listed in the manifest as ``state/<file>``); intermediate checkpoints keep everything in one folder.
+Both folders are written into temporary siblings and renamed into place, state first, so a crash never
+leaves a checkpoint whose manifest names files that are not there. A checkpoint whose files fail their
 recorded sha256 is refused. Its own hash is a content hash over its files' sha256 (not the run metadata),
 so the same training on two machines gives the same hash.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -20,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+#: files of the trainer state (never part of an exported model folder)
+STATE_FILES = ("trainer_state.pt", "optimizer_rank*.pt", "critic.safetensors")
+STATE_SUFFIX = "-state"
 STATE = "trainer_state.pt"
 
 
@@ -68,31 +75,59 @@ def prepare_staging(tmp: Path) -> None:
     tmp.mkdir()
 
 
+def state_folder(checkpoint: Path) -> Path:
+    """Where ``checkpoint``'s trainer state is: beside an exported checkpoint (``final`` -> ``final-state``),
+    else inside the checkpoint itself."""
+    beside = checkpoint.parent / f"{checkpoint.name}{STATE_SUFFIX}"
+    return beside if beside.is_dir() else checkpoint
+
+
+def _file(folder: Path, name: str) -> Path:
+    """A manifest entry's file: ``state/<file>`` lives in the state folder beside the checkpoint."""
+    return state_folder(folder) / name[len("state/"):] if name.startswith("state/") else folder / name
+
+
 def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: dict[str, Any],
-                     tmp: Path | None = None) -> str:
+                     tmp: Path | None = None, export: bool = False) -> str:
     """Write a checkpoint atomically: ``write_files(tmp)`` fills a temporary folder, a manifest is added,
     then the folder is renamed to ``folder`` (replacing an older one). Returns the checkpoint's hash.
-    Pass ``tmp`` when other processes already wrote their part into a shared staging folder."""
+    Pass ``tmp`` when other processes already wrote their part into a shared staging folder. With ``export``
+    the trainer state moves to ``<folder>-state`` beside it, which is renamed into place first."""
     if tmp is None:
         tmp = staging_folder(folder)
         prepare_staging(tmp)
+    state_tmp = tmp.parent / f"{tmp.name}{STATE_SUFFIX}"
     try:
         write_files(tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        if export:
+            prepare_staging(state_tmp)
+            for name in [n for n in files if any(fnmatch.fnmatch(n, pattern) for pattern in STATE_FILES)]:
+                (tmp / name).rename(state_tmp / name)
+                files[f"state/{name}"] = files.pop(name)
         manifest = {**record, "files": files, "hash": content_hash(files)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+        if export:
+            _fsync_dir(state_tmp)
+            _replace(state_tmp, folder.parent / f"{folder.name}{STATE_SUFFIX}")
         _fsync_dir(tmp)
-        if folder.exists():
-            old = folder.parent / f".old-{folder.name}-{os.getpid()}"
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(folder)
+        _replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(state_tmp, ignore_errors=True)
         raise
     return checkpoint_hash(folder)
+
+
+def _replace(new: Path, folder: Path) -> None:
+    """Rename ``new`` to ``folder``, replacing an older one."""
+    if folder.exists():
+        old = folder.parent / f".old-{folder.name}-{os.getpid()}"
+        folder.rename(old)
+        new.rename(folder)
+        shutil.rmtree(old)
+    else:
+        new.rename(folder)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -112,14 +147,15 @@ def read_manifest(folder: Path, verify: bool = False) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{folder} is not a checkpoint: {MANIFEST} is missing")
-    key = (str(folder.resolve()), *sorted((p.name, p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
-                                           for p in folder.iterdir() if p.is_file()))
+    state = state_folder(folder)
+    key = (str(folder.resolve()), *sorted((str(p), p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+                                           for d in {folder, state} for p in d.iterdir() if p.is_file()))
     if verify and key in _verified:  # no file changed since this process verified it (stat only, no hashing)
         return _verified[key]
     manifest = json.loads(path.read_text())
     if verify:
         for name, expected in manifest["files"].items():
-            file = folder / name
+            file = _file(folder, name)
             if not file.exists():
                 raise CheckpointError(f"checkpoint {folder}: file {name} is missing")
             if sha256_file(file) != expected:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,29 @@ class ConfigError(ValueError):
     """params.yaml is missing something or holds a bad value; the message names the key."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as DVC reads it (1.2 floats): ``1e-5`` is a number, as it is to ``dvc exp run -S`` and ruamel,
+    not the string PyYAML's 1.1 rules make of it."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d+)[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*\.[\d_]*|\.\d+)$"
+               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
 def load_params(path: Path | None = None) -> dict[str, Any]:
     """The parsed params.yaml of the working copy (``envs.paths.project_root``)."""
     path = path if path is not None else project_root() / "params.yaml"
     if not path.exists():
         raise ConfigError(f"{path} not found: run from the project root or pass the params file")
-    return yaml.safe_load(path.read_text()) or {}
+    return parse_params(path.read_text())
+
+
+def parse_params(text: str) -> dict[str, Any]:
+    """params.yaml's text parsed as DVC parses it (YAML 1.2 floats; a safe loader)."""
+    return yaml.load(text, Loader=_Loader) or {}
 
 
 def curriculum_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> CurriculumConfig:

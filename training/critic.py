@@ -2,7 +2,7 @@
 
 The value at position t is read from the hidden state that predicts token t (aligned with
 ``token_logprobs``), so values on agent tokens estimate the return from just before each agent token.
-Saved beside the actor in a checkpoint as ``critic.safetensors``.
+Saved with the trainer state of a checkpoint as ``critic.safetensors``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def load(cls, folder: Path, device: torch.device) -> ValueModel:
-        """The critic saved in ``folder``, or a new one whose body starts from the policy in ``folder``."""
+    def load(cls, folder: Path, device: torch.device, state_dir: Path | None = None) -> ValueModel:
+        """The critic saved in ``state_dir`` (default ``folder``), or a new one whose body starts from the policy
+        in ``folder``."""
         model = cls(AutoModel.from_pretrained(folder, dtype=torch.float32))
-        if (folder / CRITIC_FILE).exists():
-            model.load_state_dict(load_file(folder / CRITIC_FILE))
+        saved = (state_dir or folder) / CRITIC_FILE
+        if saved.exists():
+            model.load_state_dict(load_file(saved))
         return model.to(device)
 
     def save(self, folder: Path) -> None:

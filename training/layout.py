@@ -1,7 +1,8 @@
 """Where a run's files live: every path of the pipeline comes from here.
 
     models/<preset>/                                   the base model (params.yaml ``model.preset``)
-    runs/<env>/phase-<k>/final/                        a curriculum phase's checkpoint
+    runs/<env>/phase-<k>/final/                        a curriculum phase's checkpoint (a clean HF folder)
+    runs/<env>/phase-<k>/final-state/                  its trainer state (optimizer, RNG, data position)
     runs/<env>/phase-<k>/{intermediate,rollouts,dvclive}/
     runs/<env>/eval/{metrics,per_item}.json            the evaluation of the base model and every phase
     runs/<env>-fixed-h<h>/phase-0/..., eval/           a fixed-h baseline run and its evaluation
@@ -54,6 +55,10 @@ class Run:
 
     def final(self, index: int) -> Path:
         return self.phase(index) / "final"
+
+    def state(self, index: int) -> Path:
+        """The trainer state beside the final checkpoint (``training.checkpoint.state_folder``)."""
+        return self.phase(index) / "final-state"
 
     def metrics(self, index: int) -> Path:
         return self.phase(index) / "dvclive" / "metrics.json"

@@ -109,7 +109,7 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
 
     record = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
               "final_loss": losses[-1], "first_loss": losses[0]}
-    write_checkpoint(out, write, record)
+    write_checkpoint(out, write, record, export=True)
     return out
 
 

@@ -38,6 +38,7 @@ from training.checkpoint import (
     prune,
     read_manifest,
     staging_folder,
+    state_folder,
     write_checkpoint,
 )
 from training.config_train import TrainConfig
@@ -115,7 +116,8 @@ class PhaseTrainer:
         source = resume or init_checkpoint
         # verified once before loading: a corrupted or edited file is refused
         manifest = read_manifest(source, verify=True) if (source / MANIFEST).exists() else None
-        state = _load_state(source / STATE) if (source / STATE).exists() else {}
+        state_dir = state_folder(source)  # beside an exported checkpoint, inside an intermediate one
+        state = _load_state(state_dir / STATE) if (state_dir / STATE).exists() else {}
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(source, self.device)
         self.reference_path = Path(state.get("reference", init_checkpoint))
@@ -126,12 +128,12 @@ class PhaseTrainer:
         self.strategy = make_strategy(config.strategy, self.model, optimizer, config.grad_clip, config.zero_stage,
                                     config.micro_batch_size)
         self.optimizer = self.strategy.optimizer
-        if self.strategy.load_optimizer_state(source, _load_state):
+        if self.strategy.load_optimizer_state(state_dir, _load_state):
             for group in self.optimizer.param_groups:
                 group["lr"] = config.lr  # a new phase may set its own learning rate
         self.critic, self.critic_optimizer = None, None
         if config.algorithm == "ppo":
-            self.critic = ValueModel.load(source, self.device)
+            self.critic = ValueModel.load(source, self.device, state_dir)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
             if "critic_optimizer" in state:
                 self.critic_optimizer.load_state_dict(state["critic_optimizer"])
@@ -403,7 +405,7 @@ class PhaseTrainer:
         torch.save(self.strategy.optimizer_state(), tmp / f"optimizer_rank{self.strategy.rank}.pt")
         self.strategy.barrier()
         if self.leader:
-            write_checkpoint(folder, write, record, tmp=tmp)
+            write_checkpoint(folder, write, record, tmp=tmp, export=name == "final")
             if name.startswith("intermediate"):
                 prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
         self.strategy.barrier()
