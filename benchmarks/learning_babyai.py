@@ -41,7 +41,7 @@ from envs.launcher import running_server
 from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
 from envs.splits import item_index
-from training.config_train import TrainConfig
+from training.config import TrainConfig
 from training.evaluate import EvalResult, evaluate, paired_difference_ci
 from training.sft import SFTConfig, sft
 from training.trainer import train_phase

@@ -16,7 +16,7 @@ import pytest
 
 from envs.splits import load_split
 from tests.conftest import bandit_conversation
-from training.config_train import TrainConfig
+from training.config import TrainConfig
 from training.evaluate import evaluate, paired_difference_ci
 from training.sft import to_trajectory
 from training.trainer import train_phase

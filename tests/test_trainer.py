@@ -16,7 +16,7 @@ import torch
 
 from envs.launcher import ROOT, running_server
 from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest, state_folder
-from training.config_train import TrainConfig
+from training.config import TrainConfig
 from training.trainer import train_phase
 
 FAST = ["--set", "batch_items=2", "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "lr=0.0001",

@@ -41,7 +41,7 @@ from training.checkpoint import (
     state_folder,
     write_checkpoint,
 )
-from training.config_train import TrainConfig
+from training.config import TrainConfig
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.devices import autocast, resolve_device
