@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from envs.launcher import free_port, wait_healthy
-from tests.test_pipeline import _workspace
+from tests.test_pipeline import _sh, _workspace
 
 BIN = Path(sys.executable).parent
 
@@ -39,17 +39,26 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
     # three one-step phases: this test is about the deployment path (server, worker, pull step, lineage
     # commit); the smoke run itself is tested once, in test_flow
     work = _workspace(tmp_path, one_step_phases=3)
+    # the remotes a fresh worker starts from: git (a bare origin) and DVC (a storage folder)
+    origin, store = tmp_path / "origin.git", tmp_path / "dvc-store"
+    _sh(work, "dvc", "remote", "add", "-d", "store", str(store))
+    _sh(work, "git", "commit", "-qam", "DVC remote")
+    _sh(tmp_path, "git", "clone", "-q", "--bare", str(work), str(origin))
+    _sh(work, "git", "remote", "add", "origin", str(origin))
     port = free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
            "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "SCALINGINTER_ROOT": str(work)}
+           "SCALINGINTER_ROOT": str(work), "SCALINGINTER_GIT_URL": str(origin)}  # both read at deploy time
     logs = tmp_path / "logs"
     logs.mkdir()
 
     def start(name: str, *cmd: str) -> subprocess.Popen:
         out = (logs / f"{name}.log").open("w")
-        return subprocess.Popen([str(BIN / "prefect"), *cmd], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+        # the worker finds its working copy through the pull steps, not through the deploying copy's variables
+        own = {k: v for k, v in env.items() if k not in ("SCALINGINTER_ROOT", "SCALINGINTER_GIT_URL")}
+        return subprocess.Popen([str(BIN / "prefect"), *cmd], cwd=tmp_path if name == "worker" else work,
+                                env=own if name == "worker" else env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
     def prefect(*cmd: str, timeout: float = 300) -> str:
@@ -73,12 +82,16 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
             raise AssertionError(f"the Prefect server: {err}\n{(logs / 'server.log').read_text()[-3000:]}") from err
         prefect("work-pool", "create", "scalinginter-cpu", "--type", "process")
         deployed = prefect("--no-prompt", "deploy", "--all")
-        for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch"):
+        for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch", "babyai-from-git"):
             assert f"scalinginter/{name}" in deployed
         worker = start("worker", "worker", "start", "--pool", "scalinginter-cpu")
         # deployment parameters reach DVC as params: the override lands in params.yaml and dvc.lock
         run = prefect("deployment", "run", "scalinginter/babyai", "-p", "profile=smoke", "-p",
                       'overrides={"train.smoke.lr": 2e-05}', "--watch", timeout=1200)  # ~2 min quiet
+        assert "Completed" in run, run[-3000:]
+        # a fresh worker: clone from git, dvc pull, train with another setting, record the lineage in both remotes
+        run = prefect("deployment", "run", "scalinginter/babyai-from-git", "-p", 'overrides={"train.smoke.lr": 3e-05}',
+                      "--watch", timeout=1200)
         assert "Completed" in run, run[-3000:]
     finally:
         if worker is not None:
@@ -94,3 +107,10 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
     assert float(locked["train.smoke"]["lr"]) == 2e-05
     committed = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=work, capture_output=True, text=True).stdout
     assert "lr: 2.0e-05" in committed or "lr: 2e-05" in committed  # the lineage commit holds the setting
+    # what the fresh worker left, seen from a third working copy with nothing but the two remotes
+    third = tmp_path / "third"
+    _sh(tmp_path, "git", "clone", "-q", str(origin), str(third))
+    assert "lr: 3.0e-05" in (third / "params.yaml").read_text() or "lr: 3e-05" in (third / "params.yaml").read_text()
+    _sh(third, "dvc", "pull")
+    assert json.loads((third / "runs/babyai/phase-2/final/manifest.json").read_text())["config"]["lr"] == 3e-05
+    assert "disagreement" not in _sh(third, "scalinginter", "lineage", "babyai")
