@@ -158,6 +158,17 @@ def train_config(env: str, profile: str | None = None, overrides: dict[str, Any]
         raise ConfigError(f"train.{profile} (env {env}) in params.yaml, with overrides {overrides}: {err}") from err
 
 
+class SFTConfig(BaseModel):
+    """Supervised warm start settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    device: str = "cpu"
+
+
 class EvalConfig(BaseModel):
     """How ``scalinginter eval`` samples: the same for every checkpoint of a run."""
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from envs.corpus import recorded_episode
@@ -24,23 +23,13 @@ from envs.local import local_client
 from envs.registry import spec_class
 from envs.splits import item_index, load_split
 from training.checkpoint import STATE, folder_hash, write_checkpoint
+from training.config import SFTConfig
 from training.devices import resolve_device
 from training.experience import collate
 from training.losses import token_logprobs
 from training.model import load_policy
 from training.rollout import ChatFormat, opening_messages
 from training.trajectory import Trajectory
-
-
-class SFTConfig(BaseModel):
-    """Supervised warm start settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    epochs: int = Field(3, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    batch_size: int = Field(8, ge=1)
-    seed: int = 0
-    device: str = "cpu"
 
 
 def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, str]]]:
