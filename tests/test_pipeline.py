@@ -252,6 +252,7 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     base = shown["baseline"]
     assert {"lr", "seed1", "h1", "code"} <= set(shown)
     assert shown["lr"]["params"]["params.yaml"]["data"]["train"]["smoke"]["lr"] == 2e-5
+    assert "reward" in shown["lr"]["metrics"]["runs/babyai/phase-1/dvclive/metrics.json"]["data"]  # and metrics
     assert _out_hash(shown["lr"], "runs/babyai/phase-1/final") != _out_hash(base, "runs/babyai/phase-1/final")
     assert _out_hash(shown["lr"], "models/tiny") == _out_hash(base, "models/tiny")
     assert shown["seed1"]["params"]["params.yaml"]["data"]["model"]["seed"] == 1
