@@ -9,6 +9,7 @@
     scalinginter build-corpus                        # record the tokenizer corpus (committed)
     scalinginter build-model --preset tiny           # the default policy, built locally from it
     scalinginter exp-run -S curriculum.babyai.profiles.smoke.h1=3 --queue   # a DVC experiment of any setting
+    scalinginter export babyai --out hf/babyai       # the last phase as an HF folder, evaluation in its card
     scalinginter sft babyai --sub-task GoTo          # optional SFT warm start on expert episodes
     scalinginter train-phase babyai --phase 0 --h 2 --steps 4 --out runs/babyai/phase-0   # from models/<preset>
 """
@@ -410,6 +411,28 @@ def lineage(env: EnvArg) -> None:
         for problem in problems:
             console.print(f"[red]disagreement:[/red] {problem}")
         raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    env: EnvArg,
+    out: Annotated[str, typer.Option(help="folder to write (replaced if it exists)")],
+    phase: Annotated[int | None, typer.Option(help="phase index (default: the last one)")] = None,
+) -> None:
+    """Export a phase's checkpoint to hand on: the HF model folder with a model card that includes its evaluation."""
+    from pathlib import Path
+
+    from flows.export import export_phase
+    from training.checkpoint import CheckpointError
+    from training.config import ConfigError, curriculum_config
+
+    _check_env(env)
+    try:
+        index = phase if phase is not None else len(curriculum_config(env).phases()) - 1
+        path = export_phase(env, index, Path(out))
+    except (ConfigError, CheckpointError) as err:
+        _fail(str(err))
+    console.print(f"exported {env} phase {index} to {path}")
 
 
 @app.command("eval")

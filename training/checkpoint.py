@@ -181,7 +181,7 @@ def prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def model_card(record: dict[str, Any], stats: dict[str, float]) -> str:
+def model_card(record: dict[str, Any], stats: dict[str, float], evaluation: dict[str, Any] | None = None) -> str:
     """A Hugging Face model card (README.md) for a phase's final checkpoint: what it is, where it came from
     (env, h, steps, parent hash) and its last training step's metrics. Deterministic (no timings, no dates),
     so the same training gives the same checkpoint hash; evaluation results live in the run's eval stage
@@ -203,6 +203,14 @@ def model_card(record: dict[str, Any], stats: dict[str, float]) -> str:
              f"| samples per item | {config.get('n_samples')} |", f"| strategy, precision | "
              f"{config.get('strategy')}, {config.get('precision')} |"]
     lines += [f"| last step {name} | {value:.4f} |" for name, value in metrics.items()]
+    if evaluation is not None:  # from the run's eval stage (an export after evaluation)
+        low, high = evaluation["success_ci95"]
+        lines += ["", f"## Evaluation ({evaluation['items']} held-out items, k={evaluation['k']}, "
+                  f"T={evaluation['temperature']}, h={evaluation['h']}, seed {evaluation['seed']})", "",
+                  "| metric | value |", "|---|---|",
+                  f"| success | {evaluation['success']:.1%} (95% CI {low:.1%}-{high:.1%}) |",
+                  f"| Avg@{evaluation['k']} | {evaluation['avg_at_k']:.3f} |",
+                  f"| Pass@{evaluation['k']} | {evaluation['pass_at_k']:.1%} |"]
     lines += ["", "Load it with `transformers` (`AutoModelForCausalLM.from_pretrained(folder)`; the tokenizer and "
               "chat template are in the folder). The evaluation of this checkpoint (Avg@k, Pass@k, success with "
               "95% CIs) is in the run's `eval/metrics.json`; `manifest.json` lists every file's sha256 and the "
