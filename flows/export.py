@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.paths import project_root
-from training.checkpoint import MANIFEST, model_card, read_manifest
+from training.checkpoint import MANIFEST, model_card, read_manifest, replace_folder
 from training.config import ConfigError
 from training.layout import Run
 
@@ -55,7 +55,5 @@ def export_phase(env: str, index: int, out: Path, root: Path | None = None) -> P
             shutil.copy2(final / name, tmp / name)
     (tmp / "README.md").write_text(model_card(manifest, stats, evaluation))
     shutil.copy2(final / MANIFEST, tmp / "scalinginter_manifest.json")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    replace_folder(tmp, out)
     return out

@@ -109,9 +109,9 @@ def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: 
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
         if export:
             _fsync_dir(state_tmp)
-            _replace(state_tmp, folder.parent / f"{folder.name}{STATE_SUFFIX}")
+            replace_folder(state_tmp, folder.parent / f"{folder.name}{STATE_SUFFIX}")
         _fsync_dir(tmp)
-        _replace(tmp, folder)
+        replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(state_tmp, ignore_errors=True)
@@ -119,8 +119,8 @@ def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: 
     return checkpoint_hash(folder)
 
 
-def _replace(new: Path, folder: Path) -> None:
-    """Rename ``new`` to ``folder``, replacing an older one."""
+def replace_folder(new: Path, folder: Path) -> None:
+    """Rename the finished folder ``new`` to ``folder``, replacing an older one (never a moment without one)."""
     if folder.exists():
         old = folder.parent / f".old-{folder.name}-{os.getpid()}"
         folder.rename(old)
@@ -148,8 +148,8 @@ def read_manifest(folder: Path, verify: bool = False) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{folder} is not a checkpoint: {MANIFEST} is missing")
     state = state_folder(folder)
-    key = (str(folder.resolve()), *sorted((str(p), p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
-                                           for d in {folder, state} for p in d.iterdir() if p.is_file()))
+    stats = [(str(p), p.stat()) for d in {folder, state} for p in d.iterdir() if p.is_file()]
+    key = (str(folder.resolve()), *sorted((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats))
     if verify and key in _verified:  # no file changed since this process verified it (stat only, no hashing)
         return _verified[key]
     manifest = json.loads(path.read_text())

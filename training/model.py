@@ -115,16 +115,14 @@ def build_tiny(corpus: Iterable[str], out_dir: Path, seed: int = 0, preset: Pres
 def materialize_hub(preset: str, out_dir: Path) -> Path:
     """Write hub preset ``preset``'s weights and tokenizer (chat template included) to ``out_dir``, so runs start
     from a folder DVC tracks; the download needs the hub (or its local cache)."""
+    from training.checkpoint import replace_folder
+
     model, tokenizer = load_policy(preset)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    replace_folder(tmp, out_dir)
     return out_dir
 
 
