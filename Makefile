@@ -50,7 +50,7 @@ run: install
 # Two xdist workers, one test at a time each (the slow tests first, see tests/conftest.py);
 # `make test XDIST="-p no:xdist"` runs the suite sequentially in one process.
 XDIST ?= -n 2 --maxschedchunk 1
-test: install check-browser
+test: install vllm check-browser
 	$(BIN)/python -m pytest $(XDIST) --durations=15
 
 lint: install

@@ -246,6 +246,10 @@ def train_phase_cmd(
     = None,
     adaptive: Annotated[bool, typer.Option(help="a phase of ENV's adaptive curriculum: it may end early by the "
                                                 "curriculum's adaptive rule (params.yaml)")] = False,
+    policy_url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_VLLM_URL",
+                                                   help="vLLM server of train.engine vllm (default: start one on "
+                                                        "--init; either way it is loaded with the phase's weights "
+                                                        "and verified)")] = None,
 ) -> None:
     """Train one curriculum phase at fixed h; rerunning an interrupted phase resumes it exactly.
 
@@ -260,6 +264,7 @@ def train_phase_cmd(
         adaptive_rule,
         base_model_dir,
         load_params,
+        policy_server_config,
         server_config,
         train_config,
     )
@@ -282,10 +287,11 @@ def train_phase_cmd(
         spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
                          init=Path(init) if init else base_model_dir(params),
                          train=train_config(env, profile, overrides, params), server=server_config(env, params),
+                         policy_server=policy_server_config(params),
                          adaptive=adaptive_rule(env, phase, profile, params) if adaptive else None)
     except (ConfigError, ValueError) as err:
         _fail(str(err))
-    final = run_phase(spec, url, progress=True)
+    final = run_phase(spec, url, progress=True, policy_url=policy_url)
     console.print(f"phase {phase} (h={h}) done: {final}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,18 @@ from envs.launcher import running_server
 from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import read_manifest
-from training.config import ConfigError, base_model_dir, curriculum_config, eval_config, load_params, server_config
+from training.config import (
+    ConfigError,
+    base_model_dir,
+    curriculum_config,
+    eval_config,
+    load_params,
+    policy_server_config,
+    server_config,
+)
 from training.evaluate import evaluate_checkpoints
 from training.layout import Run
+from training.vllm_engine import running_vllm
 
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
@@ -77,10 +87,17 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
         # k live instances per item; a simulator or browser pool bounds how many items run at once
         capacity = server_capacity(base)
         batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
+        budget = config.context_budget or 8192
+        server = policy_server_config(params)
+        policy_url = None
+        if config.engine == "vllm":  # one server, loaded with each checkpoint in turn
+            policy_url = os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
+                running_vllm(next(iter(folders.values())), server, server.max_len(budget, config.max_new_tokens)))
         result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                      batch_items=batch_items, progress=progress,
-                                      context_budget=config.context_budget or 8192, device=config.device)
+                                      batch_items=batch_items, progress=progress, context_budget=budget,
+                                      device=config.device, policy_url=policy_url,
+                                      probe_tolerance=server.probe_tolerance)
     for name, folder in folders.items():
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None

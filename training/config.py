@@ -26,6 +26,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    engine: Literal["hf", "vllm"] = Field("hf", description="who samples the rollouts: transformers' generate in "
+                                          "this process, or a vLLM server fed the new weights after every update")
     strategy: Literal["torch", "deepspeed"] = Field("torch", description="who applies the loss to the weights: "
                                                     "plain torch, or DeepSpeed ZeRO over SCALINGINTER_NPROC ranks")
     zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (deepspeed strategy)")
@@ -86,6 +88,9 @@ class TrainConfig(BaseModel):
         if self.drop_flat_groups and self.strategy == "deepspeed":
             raise ValueError("drop_flat_groups leaves each rank a different number of trajectories, so the "
                              "ranks' gradient all-reduces would not line up: use it with the torch strategy")
+        if self.engine == "vllm" and self.strategy == "deepspeed":
+            raise ValueError("the vllm engine is synced by one trainer process; with the deepspeed strategy each "
+                             "rank would push its own copy: use engine hf with deepspeed")
         if self.strategy == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.strategy_check)")
@@ -183,6 +188,8 @@ class EvalConfig(BaseModel):
     context_budget: int | None = Field(None, ge=16, description="tokens per trajectory; None: the training "
                                        "profile's context_budget, so evaluation sees what training saw")
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N] (SCALINGINTER_DEVICE wins: placement)")
+    engine: Literal["hf", "vllm"] = Field("hf", description="who samples: transformers' generate, or a vLLM server "
+                                          "loaded with each checkpoint in turn (verified by the probe)")
 
 
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:
@@ -229,6 +236,35 @@ def server_config(env: str, params: dict[str, Any] | None = None) -> ServerConfi
         raise ConfigError(f"env_server in params.yaml (env {env}): {err}") from err
 
 
+class PolicyServerConfig(BaseModel):
+    """The vLLM server of the ``vllm`` engine (params.yaml ``policy_server``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the served weights' dtype")
+    max_model_len: int | None = Field(None, ge=16, description="tokens per sequence; None: the context budget plus "
+                                      "one turn's new tokens")
+    probe_tolerance: float = Field(1e-3, gt=0, description="max abs difference of the server's and the trainer's "
+                                   "log-probs of the probe sequence after a weight sync (1e-3 holds in float32)")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / compilation (faster start, slower decoding)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of a GPU the server may take (the "
+                                          "trainer shares it)")
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
+
+    def max_len(self, context_budget: int, max_new_tokens: int) -> int:
+        return self.max_model_len or context_budget + max_new_tokens
+
+
+def policy_server_config(params: dict[str, Any] | None = None) -> PolicyServerConfig:
+    """``policy_server`` of params.yaml (defaults when absent)."""
+    params = load_params() if params is None else params
+    try:
+        return PolicyServerConfig(**(params.get("policy_server") or {}))
+    except ValidationError as err:
+        raise ConfigError(f"policy_server in params.yaml: {err}") from err
+
+
 def base_model_dir(params: dict[str, Any], root: Path = Path(".")) -> Path:
     """The base model every run starts from: ``models/<model.preset>``."""
     return base_model(str(params.get("model", {}).get("preset", "tiny")), root)
@@ -246,6 +282,7 @@ class PhaseSpec(BaseModel):
     out: Path
     train: TrainConfig
     server: ServerConfig
+    policy_server: PolicyServerConfig = PolicyServerConfig()  # the vllm engine's server (train.engine: vllm)
     adaptive: AdaptiveRule | None = None  # the curriculum's adaptive mode (never on its last phase)
 
 
@@ -269,7 +306,7 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
         h, steps, init = fixed_h, curriculum_config(env, profile, params).total_steps, base_model_dir(params, root)
     return PhaseSpec(env=env, index=index, h=h, steps=steps, init=init, out=run.phase(index),
                      train=train_config(env, profile, params=params), server=server_config(env, params),
-                     adaptive=adaptive)
+                     policy_server=policy_server_config(params), adaptive=adaptive)
 
 
 def adaptive_rule(env: str, index: int, profile: str | None = None, params: dict[str, Any] | None = None

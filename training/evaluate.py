@@ -16,7 +16,7 @@ import numpy as np
 
 from training.checkpoint import MANIFEST, read_manifest
 from training.devices import resolve_device
-from training.engine import HFEngine
+from training.engine import HFEngine, PolicyEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 
@@ -77,28 +77,43 @@ class EvalResult:
 
 def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
              temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4,
-             context_budget: int = 8192, device: str = "cpu") -> EvalResult:
+             context_budget: int = 8192, device: str = "cpu", policy_url: str | None = None,
+             probe_tolerance: float = 1e-3) -> EvalResult:
     """Roll out ``k`` samples per item at turn cap ``h`` (and at most ``context_budget`` tokens, as in training)
-    with the model on ``device``, and collect success and reward."""
+    with the model on ``device``, and collect success and reward. With ``policy_url`` (the vllm engine), the vLLM
+    server there is loaded with ``model_dir`` and verified against it by the probe, then samples."""
     if (Path(model_dir) / MANIFEST).exists():  # a checkpoint: verified (once per process) before it is loaded
         read_manifest(Path(model_dir), verify=True)
     model, tokenizer = load_policy(model_dir, resolve_device(device))
     model.eval()
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    sync = None
+    engine: PolicyEngine
+    if policy_url is None:
+        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence
+
+        sync = WeightSync(VLLMEngine(policy_url, tokenizer.eos_token_id), probe_sequence(tokenizer), probe_tolerance)
+        sync.push(model, 0, folder=Path(model_dir))
+        engine = sync.engine
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
     rollout = Rollout(env, url, engine, tokenizer, config)
     success: dict[str, list[bool]] = {i: [] for i in item_ids}
     reward: dict[str, list[float]] = {i: [] for i in item_ids}
-    for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
-        result = rollout.run(item_ids[start:start + batch_items], h)
-        errors = [t for t in result.trajectories if not t.valid]
-        if errors:
-            raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
-                               f"(first: {errors[0].error}); evaluation results would be biased")
-        for t in result.trajectories:
-            success[t.item_id].append(t.success)
-            reward[t.item_id].append(t.reward)
+    try:
+        for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
+            result = rollout.run(item_ids[start:start + batch_items], h)
+            errors = [t for t in result.trajectories if not t.valid]
+            if errors:
+                raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
+                                   f"(first: {errors[0].error}); evaluation results would be biased")
+            for t in result.trajectories:
+                success[t.item_id].append(t.success)
+                reward[t.item_id].append(t.reward)
+    finally:
+        if sync is not None:
+            sync.close()
     return EvalResult(success, reward)
 
 
@@ -131,7 +146,8 @@ def summarise(result: EvalResult, sub_tasks: dict[str, str]) -> dict[str, Any]:
 def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items: list[dict[str, Any]], h: int,
                          k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
                          progress: Callable[[str], None] | None = None, context_budget: int = 8192,
-                         device: str = "cpu") -> dict[str, Any]:
+                         device: str = "cpu", policy_url: str | None = None, probe_tolerance: float = 1e-3
+                         ) -> dict[str, Any]:
     """Evaluate each named checkpoint on the same items with the same seed: the metrics a report shows.
 
     ``items`` are split records (``item_id`` and ``sub_task``). Every checkpoint sees the same items,
@@ -141,11 +157,12 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
     ids = [r["item_id"] for r in items]
     out: dict[str, Any] = {"env": env, "h": h, "k": k, "temperature": temperature, "seed": seed,
                            "max_new_tokens": max_new_tokens, "context_budget": context_budget, "items": len(ids),
-                           "checkpoints": {}}
+                           "engine": "hf" if policy_url is None else "vllm", "checkpoints": {}}
     for name, folder in checkpoints.items():
         if progress is not None:
             progress(name)
         result = evaluate(folder, env, url, ids, h=h, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
-                          seed=seed, batch_items=batch_items, context_budget=context_budget, device=device)
+                          seed=seed, batch_items=batch_items, context_budget=context_budget, device=device,
+                          policy_url=policy_url, probe_tolerance=probe_tolerance)
         out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
     return out

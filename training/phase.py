@@ -2,7 +2,7 @@
 Prefect task all run, with values (never a command line).
 
     spec = phase_spec("babyai", 1, Path("."))     # h, steps and folders from phases.yaml, settings from params.yaml
-    final = run_phase(spec)                        # starts its own environment server when no URL is given
+    final = run_phase(spec)                        # starts its own servers when no URLs are given
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ from training.config import PhaseSpec
 from training.trainer import train_phase
 
 
-def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False) -> Path:
-    """Train phase ``spec`` against the server at ``url``, or against a server started here with ``spec.server``
-    (and always stopped); resumes an interrupted phase; returns its final checkpoint folder."""
+def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, policy_url: str | None = None) -> Path:
+    """Train phase ``spec`` against the environment server at ``url``, or against one started here with
+    ``spec.server``; with ``train.engine: vllm``, sampling from the vLLM server at ``policy_url`` or from one
+    started here on the phase's parent checkpoint (every server started here is always stopped). Resumes an
+    interrupted phase; returns its final checkpoint folder."""
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(spec.env, **spec.server.launch_kwargs()))
+        if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / "manifest.json").exists():
+            from training.vllm_engine import running_vllm
+
+            length = spec.policy_server.max_len(spec.train.context_budget, spec.train.max_new_tokens)
+            policy_url = stack.enter_context(running_vllm(spec.init, spec.policy_server, length))
         return train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train, url=base,
-                           progress=progress, adaptive=spec.adaptive)
+                           progress=progress, adaptive=spec.adaptive, policy_url=policy_url,
+                           probe_tolerance=spec.policy_server.probe_tolerance)

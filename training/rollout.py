@@ -266,10 +266,11 @@ def rollout_stats(result: RolloutResult) -> dict[str, float]:
     return stats
 
 
-def write_rollout_log(path: Path, result: RolloutResult, step: int) -> Path:
-    """Append one JSON line per trajectory (item, conversation, reward, turns, termination)."""
+def write_rollout_log(path: Path, result: RolloutResult, step: int, extra: dict[str, Any] | None = None) -> Path:
+    """Append one JSON line per trajectory (item, conversation, reward, turns, termination, and ``extra``, e.g.
+    the weight version the server sampled from)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         for t in result.trajectories:
-            f.write(json.dumps({"step": step, **t.log_record()}) + "\n")
+            f.write(json.dumps({"step": step, **t.log_record(), **(extra or {})}) + "\n")
     return path

@@ -45,7 +45,7 @@ from training.config import TrainConfig
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.devices import autocast, resolve_device
-from training.engine import HFEngine
+from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
@@ -106,7 +106,8 @@ class PhaseTrainer:
     """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
-                 config: TrainConfig, url: str, adaptive: AdaptiveRule | None = None) -> None:
+                 config: TrainConfig, url: str, adaptive: AdaptiveRule | None = None, policy_url: str | None = None,
+                 probe_tolerance: float = 1e-3) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.adaptive = adaptive
         self.out_dir = out_dir
@@ -163,7 +164,21 @@ class PhaseTrainer:
         if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
             for stale in (out_dir / "rollouts").glob("step-*.jsonl"):
                 stale.unlink()
-        engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.sync = None
+        engine: PolicyEngine
+        if config.engine == "vllm":
+            from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence
+
+            if policy_url is None:
+                raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
+            engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
+            self.sync = WeightSync(engine, probe_sequence(self.tokenizer), probe_tolerance)
+            # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very checkpoint
+            # this run starts from, the resumed one included, verified before the first rollout
+            self.sync.push(self.model, self.global_step, folder=source)
+        else:
+            engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.stale = False  # the actor changed since the server's last sync
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
             temperature=config.temperature, top_p=config.top_p, seed=config.seed))
@@ -233,6 +248,8 @@ class PhaseTrainer:
                 break
         if self.metrics is not None:
             self.metrics.close()
+        if self.sync is not None:
+            self.sync.close()
         if self.steps == 0 or not (self.out_dir / "final" / MANIFEST).exists():
             self.save("final")
         return self.out_dir / "final"
@@ -243,11 +260,13 @@ class PhaseTrainer:
         t0 = time.perf_counter()
         self.model.eval()
         items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
+        stats = self._sync_policy(step)
         result = self.rollout.run(items, self.h, step=step)
         if cfg.log_rollouts and self.leader:
-            write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step)
+            served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+            write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step, served)
         self.ledger.generated_tokens += result.generated_tokens
-        stats = dict(result.stats)
+        stats |= result.stats
         t1 = time.perf_counter()
         valid = result.valid
         if not valid:  # every environment failed: nothing to learn from, and never a silent zero
@@ -271,11 +290,24 @@ class PhaseTrainer:
             return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "actor/skipped": 1.0,
                             "actor/flat_groups": exp.flat_groups}
         stats |= self.update(exp, step)
+        self.stale = True
         t3 = time.perf_counter()
         trained = int(exp.mask.sum()) * cfg.ppo_epochs
         self.ledger.trained_tokens += trained
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
+
+    def _sync_policy(self, step: int) -> dict[str, float]:
+        """vllm engine: push the actor's weights to the server if an update changed them; the served version."""
+        if self.sync is None:
+            return {}
+        if self.stale:
+            self.sync.push(self.model, self.global_step, save=self.strategy.save_model)
+            self.stale = False
+        version = self.sync.version
+        assert version is not None
+        return {"engine/sync_s": version.seconds, "engine/probe_max_diff": version.probe_max_diff,
+                "engine/weights_step": float(version.step), "engine/syncs": float(self.sync.syncs)}
 
     def _has_signal(self, exp: Experience) -> bool:
         """Whether any trajectory of this step, on any rank, has a non-zero advantage."""
@@ -381,6 +413,8 @@ class PhaseTrainer:
             "phase_first_step": self.first_step, "algorithm": self.config.algorithm, "seed": self.config.seed,
             "config": self.config.model_dump(), "parent": self.parent, "kind": name.split("/")[0],
             "cost": self.ledger.as_dict(),
+            "engine": {"name": self.config.engine, **({"served": self.sync.version.as_dict(), "syncs": self.sync.syncs}
+                                                     if self.sync is not None and self.sync.version else {})},
             "curriculum": {"mode": "adaptive" if self.adaptive else "planned", "planned_steps": self.steps,
                            "budget": self.budget, "trained_steps": self.global_step - self.first_step,
                            "unused_steps": self.end_step - self.global_step if self.advanced else 0,
@@ -424,7 +458,8 @@ def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]
 
 
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
-                config: TrainConfig, url: str, progress: bool = False, adaptive: AdaptiveRule | None = None) -> Path:
+                config: TrainConfig, url: str, progress: bool = False, adaptive: AdaptiveRule | None = None,
+                policy_url: str | None = None, probe_tolerance: float = 1e-3) -> Path:
     """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
 
     A phase whose final checkpoint exists (and verifies) is not trained again. With ``adaptive`` (the
@@ -437,7 +472,8 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
         read_manifest(final, verify=True)
         return final
     check_capacity(url, config.batch_items * config.n_samples)
-    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive).run(progress)
+    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
+                        probe_tolerance).run(progress)
 
 
 class CapacityConfigError(ValueError):

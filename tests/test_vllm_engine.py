@@ -1,0 +1,148 @@
+"""The vllm engine against a real vLLM server (``make vllm``'s environment, started once for this module): token
+ids in and out, log-probs after temperature equal to the trainer's, the end-of-turn id, a dead server, weight
+sync verified by the probe, and a phase killed with SIGKILL whose resume serves the resumed checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from envs.launcher import ROOT, free_port
+from flows.cli import _pairs
+from training.config import PolicyServerConfig, train_config
+from training.engine import SamplingParams
+from training.rollout import ChatFormat
+from training.trainer import PhaseTrainer
+from training.vllm_engine import EngineError, VLLMEngine, WeightSync, probe_sequence, running_vllm, weights_hash
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model_dir) -> str:
+    with running_vllm(tiny_model_dir, PolicyServerConfig(), max_model_len=2048) as url:
+        yield url
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    chat = ChatFormat(tokenizer)
+    return [chat.prompt([{"role": "user", "content": f"go to the {c} ball"}]) for c in ("red", "blue", "red")]
+
+
+def _trainer_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
+
+
+def test_token_ids_in_and_out_with_the_trainers_logprobs_after_temperature(vllm_url, tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    engine = VLLMEngine(vllm_url, tokenizer.eos_token_id)
+    WeightSync(engine, probe_sequence(tokenizer)).verify(model)  # the server holds the tiny model's weights
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=5)
+    first, again = engine.generate(prompts, params), engine.generate(prompts, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]  # seeded per request
+    assert first[0].token_ids != first[2].token_ids  # same prompt, another position: its own seed, its own sample
+    for prompt, gen in zip(prompts, first, strict=True):
+        assert len(gen.token_ids) == len(gen.logprobs) >= 1
+        diff = (_trainer_logprobs(model, prompt, gen.token_ids, 0.7) - torch.tensor(gen.logprobs)).abs().max()
+        assert float(diff) <= 1e-3, "log-probs must be the trainer's at the sampling temperature"
+    # the server took exactly our ids (nothing decoded and re-encoded)
+    raw = httpx.post(f"{vllm_url}/v1/completions", json={"model": "policy", "prompt": prompts[0], "max_tokens": 1,
+                                                         "return_token_ids": True}, timeout=60).json()
+    assert raw["choices"][0]["prompt_token_ids"] == prompts[0]
+
+
+def test_a_turn_ends_at_the_end_of_turn_id_which_it_keeps(vllm_url, tiny_policy) -> None:
+    _, tokenizer = tiny_policy
+    prompt = _prompts(tokenizer)[:1]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11)
+    free = VLLMEngine(vllm_url, tokenizer.eos_token_id).generate(prompt, params)[0]
+    stop = free.token_ids[3]  # treat the 4th sampled id as the end-of-turn id: the same seed stops there
+    ended = VLLMEngine(vllm_url, stop).generate(prompt, params)[0]
+    end = free.token_ids.index(stop) + 1
+    assert ended.finished and ended.token_ids == free.token_ids[:end]
+    assert ended.logprobs == pytest.approx(free.logprobs[:end], abs=1e-5)  # the end-of-turn id's own log-prob
+    assert not free.finished or free.token_ids[-1] == tokenizer.eos_token_id
+
+
+def test_a_dead_server_is_a_clear_error_never_an_empty_generation(tiny_policy, monkeypatch) -> None:
+    _, tokenizer = tiny_policy
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = VLLMEngine(url, tokenizer.eos_token_id, retries=1)
+    with pytest.raises(EngineError, match=rf"policy server {url} unreachable on POST /v1/completions after 2 tries"):
+        engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=4, seed=0))
+    monkeypatch.setenv("SCALINGINTER_VLLM_PYTHON", "/nonexistent/python")
+    with pytest.raises(EngineError, match="run `make vllm`"), running_vllm(Path("models/tiny"), PolicyServerConfig(),
+                                                                        max_model_len=64):
+        pass
+
+
+def test_weight_sync_makes_the_server_serve_the_trainers_weights(vllm_url, tiny_policy, tiny_model_dir) -> None:
+    model, tokenizer = tiny_policy
+    sync = WeightSync(VLLMEngine(vllm_url, tokenizer.eos_token_id), probe_sequence(tokenizer), tolerance=1e-3)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in changed.parameters():  # the tied embeddings too (vLLM's in-place reload alone misses the head)
+            param.add_(torch.randn_like(param) * 0.05)
+    try:
+        with pytest.raises(EngineError, match="serves other weights than the trainer's"):
+            sync.verify(changed)
+        version = sync.push(changed, step=7)
+        assert version.step == 7 and version.probe_max_diff <= 1e-3
+        assert version.hash == weights_hash(sync.workdir / "step-000007")
+        with pytest.raises(EngineError):
+            sync.verify(model)
+    finally:
+        back = sync.push(model, step=0, folder=tiny_model_dir)
+        sync.close()
+    assert back.hash == weights_hash(tiny_model_dir) and not sync.workdir.exists()
+
+
+def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_server, tiny_model_dir, tiny_policy,
+                                                               tmp_path) -> None:
+    out, url = tmp_path / "phase", env_server("babyai")
+    sets = ["engine=vllm", "batch_items=2", "n_samples=2", "max_new_tokens=8", "lr=0.001", "mini_batch_size=4",
+            "micro_batch_size=4", 'sub_tasks=["GoTo"]', "kl_coef=0"]
+    cmd = [sys.executable, "-m", "flows.cli", "train-phase", "babyai", "--phase", "0", "--h", "2", "--steps", "4",
+           "--init", str(tiny_model_dir), "--out", str(out), "--url", url, "--policy-url", vllm_url]
+    for pair in sets:
+        cmd += ["--set", pair]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    target, deadline = out / "intermediate" / "step-000002" / "manifest.json", time.monotonic() + 600
+    while not target.exists():
+        assert proc.poll() is None, f"the phase ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint {target} within 600 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = max((out / "intermediate").glob("step-*"))
+    model, tokenizer = tiny_policy
+    stale = WeightSync(VLLMEngine(vllm_url, tokenizer.eos_token_id), probe_sequence(tokenizer))
+    stale.push(model, 0, folder=tiny_model_dir)  # the server now holds other weights than the resumed checkpoint's
+    config = train_config("babyai", overrides=_pairs(sets))  # what the command line ran with
+    trainer = PhaseTrainer("babyai", 0, 2, 4, tiny_model_dir, out, config, url, policy_url=vllm_url)
+    served = trainer.sync.version
+    assert trainer.global_step == int(resumed.name.split("-")[1]) >= 2
+    assert (served.step, served.hash) == (trainer.global_step, weights_hash(resumed)) and served.probe_max_diff <= 1e-3
+    final = trainer.run()
+    assert trainer.sync.syncs >= 2  # the resumed checkpoint, then the weights after each update that followed
+    from training.checkpoint import read_manifest
+
+    engine = read_manifest(final)["engine"]
+    assert engine["name"] == "vllm" and engine["served"]["probe_max_diff"] <= 1e-3
+    lines = (out / "rollouts" / "step-000003.jsonl").read_text().splitlines()
+    assert '"weights": {"step": 3' in lines[-1]  # step 3's rollouts sampled from the weights after step 2's update
+    stale.push(model, 0, folder=tiny_model_dir)
+    stale.close()

@@ -1,0 +1,290 @@
+"""The ``vllm`` engine: a vLLM server, its own process from its own environment, behind ``PolicyEngine``.
+
+    with running_vllm(Path("models/tiny"), PolicyServerConfig(), max_model_len=4096) as url:
+        engine = VLLMEngine(url, eos_token_id=tokenizer.eos_token_id)
+        engine.generate([prompt_ids], SamplingParams(max_new_tokens=32, seed=0))
+
+vLLM cannot share a Python environment with Prefect (it pins an older fastapi and transformers), so it runs as
+users run it, ``python -m vllm.entrypoints.openai.api_server`` from the environment ``make vllm`` builds
+(``.venv-vllm``; ``SCALINGINTER_VLLM_PYTHON`` names another). Token ids go in (``POST /v1/completions`` with
+``prompt`` as ids) and token ids and log-probs come out (``return_token_ids``, ``logprobs``): nothing is decoded
+and re-encoded. The server is started with ``--logprobs-mode processed_logprobs``, so log-probs are taken after
+temperature, as the hf engine's and the PPO ratio's are. Each prompt is its own request with its own seed
+(derived from the call's seed and the prompt's position; one batched request would give every prompt of a
+GRPO group the same sample); vLLM batches the concurrent requests continuously.
+
+Weights reach the server through :class:`WeightSync`: a checkpoint folder is loaded in place
+(``POST /collective_rpc`` -> :mod:`training.vllm_worker`), the prefix cache is dropped (its KV blocks were
+computed by the old weights), and the server's log-probs of a fixed probe sequence are compared with the
+trainer's: a difference above the tolerance is an error, never a silent stale policy. Each sync is a
+:class:`WeightVersion` (global step, content hash of the weight files, seconds, probe difference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from envs.launcher import ROOT, free_port, wait_healthy
+from training.checkpoint import content_hash, sha256_file
+from training.config import PolicyServerConfig
+from training.engine import Generation, SamplingParams
+
+SERVED_NAME = "policy"
+WORKER_EXTENSION = "training.vllm_worker.WeightLoader"
+
+
+class EngineError(RuntimeError):
+    """The policy server is unreachable, failed a request, or serves other weights than the trainer's."""
+
+
+def vllm_python() -> Path:
+    """The Python of the vLLM environment: ``SCALINGINTER_VLLM_PYTHON`` or ``.venv-vllm`` (``make vllm``)."""
+    path = Path(os.environ.get("SCALINGINTER_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+    if not path.exists():
+        raise EngineError(f"the vllm engine runs vLLM from its own environment, and {path} does not exist: run "
+                          "`make vllm` (or set SCALINGINTER_VLLM_PYTHON to that environment's python)")
+    return path
+
+
+def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_model_len: int) -> list[str]:
+    """The command line of a vLLM server for ``model_dir`` on 127.0.0.1:``port``."""
+    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", config.dtype, "--max-model-len", str(max_model_len), "--seed", "0",
+           "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
+           "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(config.extra_args)
+
+
+def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) -> tuple[str, subprocess.Popen]:
+    """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
+    whose tail is in the error when it does not come up."""
+    port = free_port()
+    cmd = server_command(Path(model_dir), port, config, max_model_len)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # the weight-reload and cache endpoints
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT)}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, config.startup_timeout_s)
+    except BaseException as err:
+        stop_vllm(proc)
+        tail = Path(log.name).read_text(errors="replace")[-3000:]
+        raise EngineError(f"the vLLM server for {model_dir} did not come up ({err}); its log {log.name} ends:\n"
+                          f"{tail}") from err
+    return url, proc
+
+
+def stop_vllm(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (the API server and its engine core), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive the API server
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def running_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) -> Iterator[str]:
+    """:func:`start_vllm` as a context manager: yield the base URL; always stop the server."""
+    url, proc = start_vllm(model_dir, config, max_model_len)
+    try:
+        yield url
+    finally:
+        stop_vllm(proc)
+
+
+def _seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + index) % (2**31 - 1)
+
+
+class VLLMEngine:
+    """``PolicyEngine`` over an OpenAI-compatible server that takes token-id prompts (vLLM, or an outside one).
+
+    ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or log.
+    """
+
+    def __init__(self, url: str, eos_token_id: int, model: str = SERVED_NAME, api_key: str | None = None,
+                 concurrency: int = 64, timeout_s: float = 600.0, retries: int = 2) -> None:
+        self.url, self.eos_token_id, self.model = url.rstrip("/"), int(eos_token_id), model
+        self.concurrency, self.retries = concurrency, retries
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
+                                   limits=httpx.Limits(max_connections=concurrency))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.post(path, json=body)
+            except httpx.TransportError as err:
+                if attempt == self.retries:
+                    raise EngineError(f"policy server {self.url} unreachable on POST {path} after "
+                                      f"{self.retries + 1} tries: {type(err).__name__}: {err}") from err
+                time.sleep(0.5 * 2**attempt)
+                continue
+            if response.status_code != 200:
+                raise EngineError(f"policy server {self.url}: POST {path} answered {response.status_code}: "
+                                  f"{response.text[:500]}")
+            return response.json() if response.content else None
+        raise AssertionError("unreachable")
+
+    def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> Generation:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": params.max_new_tokens,
+                                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
+                                "return_token_ids": True, "skip_special_tokens": False,
+                                # the end-of-turn id ends a turn (kept, with its log-prob), as in the hf engine;
+                                # the model's own eos (another id in some configs) does not
+                                "stop_token_ids": [self.eos_token_id], "ignore_eos": True}
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if seed is not None:
+            body["seed"] = seed
+        answer = self._post("/v1/completions", body)
+        try:
+            choice = answer["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        except (KeyError, IndexError, TypeError) as err:
+            raise EngineError(f"policy server {self.url} answered without token ids and log-probs ({err!r}); it "
+                              "must accept `return_token_ids` (vLLM >= 0.10)") from err
+        if not ids or len(ids) != len(logprobs):
+            raise EngineError(f"policy server {self.url} returned {len(ids)} tokens and {len(logprobs)} log-probs "
+                              "for one turn: refusing an empty or misaligned generation")
+        return Generation(ids, logprobs, ids[-1] == self.eos_token_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+            futures = [pool.submit(self._one, prompt, params, _seed(params.seed, i))
+                       for i, prompt in enumerate(prompts)]
+            return [f.result() for f in futures]
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The server's log-probs (temperature 1) of ``ids[1:]``, each given the ids before it."""
+        answer = self._post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
+                                                "temperature": 1.0, "prompt_logprobs": 0})
+        rows = answer["choices"][0]["prompt_logprobs"]
+        return [float(rows[i][str(ids[i])]["logprob"]) for i in range(1, len(ids))]
+
+    def load_weights(self, folder: Path) -> None:
+        """Load the HF checkpoint ``folder`` (on the server's file system) in place; drop the prefix cache."""
+        self._post("/collective_rpc", {"method": "load_checkpoint", "kwargs": {"weights_path": str(Path(folder)
+                                                                                                  .resolve())}})
+        self._post("/reset_prefix_cache", {})
+
+
+def weights_hash(folder: Path) -> str:
+    """Content hash of a model folder's weight files (what a sync loads)."""
+    files = sorted(Path(folder).glob("*.safetensors")) or sorted(Path(folder).glob("*.bin"))
+    if not files:
+        raise EngineError(f"{folder} holds no weight files (*.safetensors)")
+    return content_hash({p.name: sha256_file(p) for p in files})
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    """The trainer's log-probs (temperature 1, the model's own precision) of ``ids[1:]``."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    model.train(was_training)
+    target = torch.tensor(ids[1:], device=device).unsqueeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, target).squeeze(-1).tolist()
+
+
+def probe_sequence(tokenizer: Any) -> list[int]:
+    """A fixed sequence in the policy's own chat format (special tokens included): a prompt and a reply."""
+    from training.rollout import ChatFormat
+
+    chat = ChatFormat(tokenizer)
+    return chat.prompt([{"role": "user", "content": "Probe: go to the red ball, then open the yellow door."}]) + \
+        chat.reply("go forward, turn left, pick up the key")
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """What the server samples from after a sync."""
+
+    step: int
+    hash: str
+    seconds: float
+    probe_max_diff: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class WeightSync:
+    """Keeps a vLLM server's weights equal to the trainer's model, verified by a probe after every load."""
+
+    def __init__(self, engine: VLLMEngine, probe_ids: list[int], tolerance: float = 1e-3) -> None:
+        if len(probe_ids) < 2:
+            raise ValueError("the probe needs at least two tokens")
+        self.engine, self.probe_ids, self.tolerance = engine, list(probe_ids), tolerance
+        self.workdir = Path(tempfile.mkdtemp(prefix="scalinginter-sync-"))
+        self.version: WeightVersion | None = None
+        self.syncs = 0
+
+    def verify(self, model: torch.nn.Module) -> float:
+        """Max abs difference between the server's and ``model``'s probe log-probs; an error above tolerance."""
+        served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids))
+        local = torch.tensor(probe_logprobs(model, self.probe_ids))
+        diff = float((served - local).abs().max())
+        if not diff <= self.tolerance:
+            raise EngineError(f"the policy server {self.engine.url} serves other weights than the trainer's: probe "
+                              f"log-probs differ by {diff:.3g} (tolerance {self.tolerance:g})")
+        return diff
+
+    def push(self, model: torch.nn.Module, step: int, folder: Path | None = None,
+             save: Any = None) -> WeightVersion:
+        """Load ``folder`` (a checkpoint of ``model``'s weights) or, without it, ``model`` saved by ``save(dir)``
+        (default ``model.save_pretrained``) into the server; verify; return the new version."""
+        started = time.perf_counter()
+        written = None
+        if folder is None:
+            written = folder = self.workdir / f"step-{step:06d}"
+            if folder.exists():
+                shutil.rmtree(folder)
+            (save or (lambda d: model.save_pretrained(d)))(folder)
+        digest = weights_hash(folder)
+        self.engine.load_weights(folder)
+        diff = self.verify(model)
+        self.version = WeightVersion(step, digest, round(time.perf_counter() - started, 4), diff)
+        self.syncs += 1
+        for old in self.workdir.iterdir():  # the server has loaded it; only the newest stays
+            if old != written:
+                shutil.rmtree(old, ignore_errors=True)
+        return self.version
+
+    def close(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.engine.close()
