@@ -74,9 +74,8 @@ def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo", one_ste
     items x one sample: for tests of what runs the stages (DVC, Prefect, S3), not of the smoke run itself,
     which test_flow covers at full smoke scale.
     """
-    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "models", ".cache", "cache", "tmp", "__pycache__",
-                                    ".pytest_cache",
-                                    ".hypothesis", ".ruff_cache", "*.egg-info")
+    ignore = shutil.ignore_patterns(".venv", ".venv-vllm", ".git", "runs", "models", ".cache", "cache", "tmp",
+                                    "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", "*.egg-info")
     work = tmp_path / name
     shutil.copytree(ROOT, work, ignore=ignore)
     params = re.sub(r"(?m)^  envs: \[[^\]]*\]", f"  envs: [{envs}]", (work / "params.yaml").read_text())

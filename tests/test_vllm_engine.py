@@ -5,6 +5,7 @@ sync verified by the probe, and a phase killed with SIGKILL whose resume serves 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 
 from envs.launcher import ROOT, free_port
 from flows.cli import _pairs
@@ -146,3 +148,30 @@ def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_ser
     assert '"weights": {"step": 3' in lines[-1]  # step 3's rollouts sampled from the weights after step 2's update
     stale.push(model, 0, folder=tiny_model_dir)
     stale.close()
+
+
+def test_a_dvc_phase_and_its_evaluation_sample_with_vllm_and_the_lineage_agrees(tmp_path, monkeypatch) -> None:
+    """train.engine and eval.engine vllm through DVC: each stage starts its own server (always stopped), the
+    settings reach dvc.lock, the checkpoint records what was served, and the lineage check passes."""
+    from flows.dvc_pipeline import set_params
+    from tests.test_pipeline import _ran, _sh, _workspace
+    from training.checkpoint import read_manifest
+
+    monkeypatch.setenv("SCALINGINTER_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+    work = _workspace(tmp_path, one_step_phases=1)
+    set_params({"train.smoke.engine": "vllm", "eval.smoke.engine": "vllm"}, work)
+    _sh(work, "scalinginter", "pipeline")
+    assert set(_ran(_sh(work, "dvc", "repro", "babyai_eval"))) >= {"babyai_phase_0", "babyai_eval"}
+    lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
+    for stage in ("babyai_phase_0", "babyai_eval"):
+        params = lock[stage]["params"]["params.yaml"]
+        assert params["train.smoke"]["engine"] == "vllm" and params["policy_server"]["probe_tolerance"] == 1e-3
+    assert lock["babyai_eval"]["params"]["params.yaml"]["eval.smoke"]["engine"] == "vllm"
+    engine = read_manifest(work / "runs/babyai/phase-0/final")["engine"]
+    assert engine["name"] == "vllm" and engine["syncs"] >= 1 and engine["served"]["probe_max_diff"] <= 1e-3
+    assert '"weights": {"step": 0' in (work / "runs/babyai/phase-0/rollouts/step-000000.jsonl").read_text()
+    metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
+    assert metrics["engine"] == "vllm" and list(metrics["checkpoints"]) == ["base", "phase-0"]
+    assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
+    left = subprocess.run(["pgrep", "-f", f"api_server --model {work}"], capture_output=True, text=True)
+    assert left.stdout == "", "a vLLM server outlived its stage"

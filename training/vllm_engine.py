@@ -62,7 +62,7 @@ def vllm_python() -> Path:
 
 def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_model_len: int) -> list[str]:
     """The command line of a vLLM server for ``model_dir`` on 127.0.0.1:``port``."""
-    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).resolve()),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", config.dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
