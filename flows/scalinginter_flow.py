@@ -6,7 +6,9 @@ Each phase task runs that phase's DVC stage, so the flow and plain ``dvc repro``
 in the flow's warm process when it is the only stale stage (then recorded with ``dvc commit``, see
 ``tasks.stages``), else by ``dvc repro <env>_phase_<k>``. Phases that are up to date are skipped,
 and an interrupted phase resumes from its intra-phase checkpoint. Evaluation and the report are DVC
-stages too. The environment server is provisioned once (with retries and a health check) and always torn down.
+stages too. The environment server is provisioned once (with retries and a health check) and always torn down;
+so is the vLLM server when ``train`` or ``eval`` samples with the ``vllm`` engine (started on the base model;
+each phase and the evaluation load their own weights into it and verify them with the probe).
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ from flows.dvc_pipeline import set_params
 from flows.dvc_pipeline import write as write_pipeline
 from tasks.pipeline import (
     Record,
+    build_base_model,
     build_report,
     evaluate_run,
     provision_env_server,
+    provision_policy_server,
     run_phase,
     teardown_env_server,
+    teardown_policy_server,
     version,
 )
-from training.config import ConfigError, curriculum_config, load_params, server_config
+from training.config import (
+    ConfigError,
+    curriculum_config,
+    eval_config,
+    load_params,
+    policy_server_config,
+    server_config,
+    train_config,
+)
 from training.layout import Run
 
 
@@ -82,26 +95,36 @@ def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[
 def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool) -> dict[str, Any]:
     phases = curriculum_config(env, profile, params).phases()
     url, pid = provision_env_server(env, server_config(env, params))
+    policy_url, policy_pid = None, None
     try:
+        train, evaluation = train_config(env, profile, params=params), eval_config(env, profile, params)
+        if "vllm" in (train.engine, evaluation.engine):  # one server for the run, loaded with each phase's weights
+            server = policy_server_config(params)
+            length = max(server.max_len(train.context_budget, train.max_new_tokens),
+                         server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
+            base = build_base_model()  # the server starts on the base model, which a first run has yet to build
+            policy_url, policy_pid = provision_policy_server(base, server, length)
         rows = []
         for phase in phases:
             print(f"phase {phase.index}: h={phase.h}, steps {phase.first_step}..{phase.last_step}")
             started = time.perf_counter()
-            rows.append(run_phase(env, phase.index, url))
+            rows.append(run_phase(env, phase.index, url, policy_url))
             rows[-1]["task_seconds"] = round(time.perf_counter() - started, 3)  # with Prefect's own share
             how = {"in_process": "trained (in process, recorded by dvc commit)", "subprocess": "trained (dvc repro)"}
             print(f"{rows[-1]['stage']}: {how.get(rows[-1]['how'], 'up to date')}")
-        evaluation = evaluate_run(env, url)
+        results = evaluate_run(env, url, policy_url)
     finally:
         teardown_env_server(pid)
+        if policy_pid is not None:
+            teardown_policy_server(policy_pid)
     report = build_report(env)
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())
-    create_markdown_artifact(_markdown(env, profile, rows, evaluation, report), key=f"scalinginter-{env}",
+    create_markdown_artifact(_markdown(env, profile, rows, results, report), key=f"scalinginter-{env}",
                              description=f"ScalingInter curriculum of {env}")
     print(f"checkpoints: {run.dir}/phase-*/final\nmetrics:     {run.dir}/phase-*/dvclive (dvc plots show), "
           f"{run.eval_metrics}\nlineage:     scalinginter lineage {env}\nreport:      {report}")
-    return {"phases": rows, "evaluation": evaluation, "report": str(report)}
+    return {"phases": rows, "evaluation": results, "report": str(report)}
 
 
 @contextlib.contextmanager

@@ -13,9 +13,9 @@ from prefect import task
 
 from envs.launcher import start_server, stop_server
 from envs.paths import project_root
-from tasks.stages import run_command, run_stage
+from tasks.stages import run_command, run_stage, server_env
 from training.checkpoint import read_manifest
-from training.config import ServerConfig, phase_spec
+from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec
 from training.layout import Run, report_file
 from training.phase import run_phase as train_one_phase
 
@@ -78,13 +78,44 @@ def teardown_env_server(pid: int) -> None:
 
 
 @task
-def run_phase(env: str, index: int, url: str) -> dict:
-    """Run (or skip, if up to date) the DVC stage of one phase against the provisioned server; in this warm
+def build_base_model() -> Path:
+    """Bring the base model stage up to date (``dvc repro build_model``); returns the model folder."""
+    _run(["dvc", "repro", "build_model"])
+    return base_model_dir(load_params(project_root() / "params.yaml"), project_root())
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15])
+def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_model_len: int) -> tuple[str, int]:
+    """Start the vllm engine's server (health-checked) on ``model_dir``; returns (url, pid). Each phase and the
+    evaluation load their own weights into it and verify them with the probe before sampling."""
+    from training.vllm_engine import start_vllm
+
+    url, proc = start_vllm(model_dir, server, max_model_len)
+    _policy_servers[proc.pid] = proc
+    return url, proc.pid
+
+
+_policy_servers: dict[int, subprocess.Popen] = {}
+
+
+@task
+def teardown_policy_server(pid: int) -> None:
+    """Stop a server started by :func:`provision_policy_server`."""
+    from training.vllm_engine import stop_vllm
+
+    proc = _policy_servers.pop(pid, None)
+    if proc is not None:
+        stop_vllm(proc)
+
+
+@task
+def run_phase(env: str, index: int, url: str, policy_url: str | None = None) -> dict:
+    """Run (or skip, if up to date) the DVC stage of one phase against the provisioned servers; in this warm
     process when only that stage is stale (:mod:`tasks.stages`), else through ``dvc repro``."""
     stage = f"{env}_phase_{index}"
     started = time.perf_counter()
-    outcome = run_stage(project_root(), stage, url, work=lambda: train_one_phase(phase_spec(env, index, Path(".")),
-                                                                                   url))
+    outcome = run_stage(project_root(), stage, url, policy_url=policy_url,
+                        work=lambda: train_one_phase(phase_spec(env, index, Path(".")), url, policy_url=policy_url))
     seconds = time.perf_counter() - started
     run = Run(env, root=project_root())
     manifest = read_manifest(run.final(index))
@@ -96,9 +127,9 @@ def run_phase(env: str, index: int, url: str) -> dict:
 
 
 @task
-def evaluate_run(env: str, url: str) -> dict:
+def evaluate_run(env: str, url: str, policy_url: str | None = None) -> dict:
     """Run (or skip, if up to date) the evaluation stage: base model and every phase checkpoint."""
-    _run(["dvc", "repro", f"{env}_eval"], env={"SCALINGINTER_ENV_URL": url})
+    _run(["dvc", "repro", f"{env}_eval"], env=server_env(url, policy_url))
     return json.loads(Run(env, root=project_root()).eval_metrics.read_text())
 
 

@@ -43,8 +43,15 @@ def run_command(cmd: list[str], root: Path, env: dict[str, str] | None = None, s
     return clean(done.stdout)
 
 
-def run_stage(root: Path, stage: str, url: str, work: Callable[[], object] | None = None) -> Outcome:
-    """Bring ``stage`` up to date like ``dvc repro <stage>``; with ``work``, in this process when only it is stale."""
+def server_env(url: str, policy_url: str | None = None) -> dict[str, str]:
+    """The environment variables that point a stage's command at already running servers."""
+    return {"SCALINGINTER_ENV_URL": url, **({"SCALINGINTER_VLLM_URL": policy_url} if policy_url else {})}
+
+
+def run_stage(root: Path, stage: str, url: str, work: Callable[[], object] | None = None,
+              policy_url: str | None = None) -> Outcome:
+    """Bring ``stage`` up to date like ``dvc repro <stage>``; with ``work``, in this process when only it is stale.
+    ``url`` (and ``policy_url``, the vllm engine's server) are the servers it uses, however it runs."""
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
@@ -55,7 +62,7 @@ def run_stage(root: Path, stage: str, url: str, work: Callable[[], object] | Non
         in_process = (work is not None and stale == {stage} and int(os.environ.get("SCALINGINTER_NPROC", "1")) <= 1
                       and os.environ.get("SCALINGINTER_STAGE_SUBPROCESS") != "1")
         if not in_process:
-            output = run_command(["dvc", "repro", stage], root, {"SCALINGINTER_ENV_URL": url})
+            output = run_command(["dvc", "repro", stage], root, server_env(url, policy_url))
             return "subprocess" if f"Running stage '{stage}'" in output else "skipped"
         with repo.lock:  # as DVC does before running a stage: persist outs stay, the others go
             target.remove_outs(ignore_remove=False, force=False)

@@ -150,28 +150,39 @@ def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_ser
     stale.close()
 
 
-def test_a_dvc_phase_and_its_evaluation_sample_with_vllm_and_the_lineage_agrees(tmp_path, monkeypatch) -> None:
-    """train.engine and eval.engine vllm through DVC: each stage starts its own server (always stopped), the
-    settings reach dvc.lock, the checkpoint records what was served, and the lineage check passes."""
+def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_path, monkeypatch) -> None:
+    """train.engine and eval.engine vllm through the Prefect flow: one server for the run (stopped at the end),
+    each phase and the evaluation load and verify their own weights; the settings reach dvc.lock, the checkpoints
+    record what was served, and the lineage check passes."""
     from flows.dvc_pipeline import set_params
-    from tests.test_pipeline import _ran, _sh, _workspace
+    from tests.test_pipeline import _sh, _workspace
     from training.checkpoint import read_manifest
 
-    monkeypatch.setenv("SCALINGINTER_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
-    work = _workspace(tmp_path, one_step_phases=1)
+    work = _workspace(tmp_path, one_step_phases=2)
     set_params({"train.smoke.engine": "vllm", "eval.smoke.engine": "vllm"}, work)
     _sh(work, "scalinginter", "pipeline")
-    assert set(_ran(_sh(work, "dvc", "repro", "babyai_eval"))) >= {"babyai_phase_0", "babyai_eval"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200",
+           "SCALINGINTER_VLLM_PYTHON": str(ROOT / ".venv-vllm" / "bin" / "python")}
+    done = subprocess.run(["scalinginter", "run", "--env", "babyai", "--profile", "smoke"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert log.count("provision_policy_server") >= 1 and "teardown_policy_server" in log
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
-    for stage in ("babyai_phase_0", "babyai_eval"):
+    for stage in ("babyai_phase_0", "babyai_phase_1", "babyai_eval"):
         params = lock[stage]["params"]["params.yaml"]
         assert params["train.smoke"]["engine"] == "vllm" and params["policy_server"]["probe_tolerance"] == 1e-3
     assert lock["babyai_eval"]["params"]["params.yaml"]["eval.smoke"]["engine"] == "vllm"
-    engine = read_manifest(work / "runs/babyai/phase-0/final")["engine"]
-    assert engine["name"] == "vllm" and engine["syncs"] >= 1 and engine["served"]["probe_max_diff"] <= 1e-3
-    assert '"weights": {"step": 0' in (work / "runs/babyai/phase-0/rollouts/step-000000.jsonl").read_text()
+    for index in (0, 1):
+        engine = read_manifest(work / f"runs/babyai/phase-{index}/final")["engine"]
+        assert engine["name"] == "vllm" and engine["syncs"] >= 1 and engine["served"]["probe_max_diff"] <= 1e-3
+    # phase 1 sampled its first step from phase 0's final weights, loaded into the run's server
+    first = (work / "runs/babyai/phase-1/rollouts/step-000001.jsonl").read_text().splitlines()[0]
+    phase0 = weights_hash(work / "runs/babyai/phase-0/final")
+    assert f'"weights": {{"step": 1, "hash": "{phase0}"' in first
     metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
-    assert metrics["engine"] == "vllm" and list(metrics["checkpoints"]) == ["base", "phase-0"]
+    assert metrics["engine"] == "vllm" and list(metrics["checkpoints"]) == ["base", "phase-0", "phase-1"]
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
     left = subprocess.run(["pgrep", "-f", f"api_server --model {work}"], capture_output=True, text=True)
-    assert left.stdout == "", "a vLLM server outlived its stage"
+    assert left.stdout == "", "a vLLM server outlived the flow"

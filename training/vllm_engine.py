@@ -75,6 +75,9 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
 def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) -> tuple[str, subprocess.Popen]:
     """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
     whose tail is in the error when it does not come up."""
+    if not (Path(model_dir) / "config.json").exists():
+        raise EngineError(f"{model_dir} is not a model folder (no config.json): build it first "
+                          "(`scalinginter build-model`, or `dvc repro build_model`)")
     port = free_port()
     cmd = server_command(Path(model_dir), port, config, max_model_len)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # the weight-reload and cache endpoints
