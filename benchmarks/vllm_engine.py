@@ -1,0 +1,91 @@
+"""The vllm engine against the hf engine: generation tokens/s on the same prompts, and weight-sync seconds.
+
+    python benchmarks/vllm_engine.py [--model models/tiny] [--prompts 64] [--new-tokens 64] [--syncs 5]
+
+Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new
+tokens each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early:
+tokens/s counts the tokens actually generated). The hf engine runs ``generate`` in this process with one
+batch of all prompts and the machine's torch threads; the vllm engine sends them as concurrent requests to
+a server started here. Then ``--syncs`` weight syncs (save, load in place, probe) are timed. Prints a JSON
+line; the figures in the README come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    from training.config import PolicyServerConfig
+    from training.engine import HFEngine, SamplingParams
+    from training.model import load_policy
+    from training.rollout import ChatFormat
+    from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence, running_vllm
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--syncs", type=int, default=5)
+    args = parser.parse_args()
+
+    model, tokenizer = load_policy(args.model)
+    model.eval()
+    chat = ChatFormat(tokenizer)
+    colours = ["red", "green", "blue", "purple", "yellow", "grey"]
+    things = ["ball", "box", "key", "door"]
+    prompts = [chat.prompt([{"role": "user", "content": f"Go to the {colours[i % 6]} {things[i % 4]} (episode {i})."}])
+               for i in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
+    out: dict[str, object] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
+                              "torch_threads": torch.get_num_threads()}
+
+    hf = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, batch_size=args.prompts)
+    hf.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
+    started = time.perf_counter()
+    tokens = sum(len(g.token_ids) for g in hf.generate(prompts, params))
+    seconds = time.perf_counter() - started
+    out["hf"] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+    budget = max(len(p) for p in prompts) + args.new_tokens
+    started = time.perf_counter()
+    with running_vllm(Path(args.model), PolicyServerConfig(), max_model_len=budget) as url:
+        out["vllm_start_s"] = round(time.perf_counter() - started, 1)
+        engine = VLLMEngine(url, tokenizer.eos_token_id)
+        engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
+        started = time.perf_counter()
+        tokens = sum(len(g.token_ids) for g in engine.generate(prompts, params))
+        seconds = time.perf_counter() - started
+        out["vllm"] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+        out["speedup"] = round(out["vllm"]["tokens_per_s"] / out["hf"]["tokens_per_s"], 2)  # type: ignore[index]
+
+        sync = WeightSync(engine, probe_sequence(tokenizer))
+        trained = copy.deepcopy(model)
+        times, diffs = [], []
+        for step in range(1, args.syncs + 1):
+            with torch.no_grad():  # stands in for an optimizer step
+                for param in trained.parameters():
+                    param.add_(torch.randn_like(param) * 1e-3)
+            version = sync.push(trained, step)
+            times.append(version.seconds)
+            diffs.append(version.probe_max_diff)
+        sync.close()
+        params_count = sum(p.numel() for p in model.parameters())
+        out["sync"] = {"parameters": params_count, "seconds_median": round(statistics.median(times), 3),
+                       "seconds_max": round(max(times), 3), "probe_max_diff": max(diffs)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
