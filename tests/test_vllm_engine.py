@@ -186,3 +186,26 @@ def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_p
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
     left = subprocess.run(["pgrep", "-f", f"api_server --model {work}"], capture_output=True, text=True)
     assert left.stdout == "", "a vLLM server outlived the flow"
+
+
+def test_deepspeed_ranks_sample_from_one_server_that_rank_0_keeps_in_sync(vllm_url, env_server, tiny_model_dir,
+                                                                         tmp_path) -> None:
+    pytest.importorskip("deepspeed")
+    from training.checkpoint import read_manifest
+
+    out = tmp_path / "phase"
+    cmd = [sys.executable, "-m", "flows.cli", "train-phase", "bandit", "--h", "1", "--steps", "2", "--init",
+           str(tiny_model_dir), "--out", str(out), "--url", env_server("bandit"), "--policy-url", vllm_url]
+    for pair in ("engine=vllm", "batch_items=4", "n_samples=2", "max_new_tokens=8", "mini_batch_size=4",
+                 "micro_batch_size=2", "strategy=deepspeed", "zero_stage=2"):
+        cmd += ["--set", pair]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"), "OMP_NUM_THREADS": "1",
+           "SCALINGINTER_NPROC": "2", "SCALINGINTER_DEVICE": "cpu"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    engine = read_manifest(out / "final", verify=True)["engine"]
+    # the start checkpoint, then the weights after step 0's update, which step 1's rollouts used (rank 0 logs its
+    # own; rank 1 waited at the same barrier)
+    assert engine["syncs"] == 2 and engine["served"]["step"] == 1 and engine["served"]["probe_max_diff"] <= 1e-3
+    rows = [json.loads(line) for line in (out / "rollouts" / "step-000001.jsonl").read_text().splitlines()]
+    assert {r["weights"]["step"] for r in rows} == {1}

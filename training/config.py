@@ -88,9 +88,6 @@ class TrainConfig(BaseModel):
         if self.drop_flat_groups and self.strategy == "deepspeed":
             raise ValueError("drop_flat_groups leaves each rank a different number of trajectories, so the "
                              "ranks' gradient all-reduces would not line up: use it with the torch strategy")
-        if self.engine == "vllm" and self.strategy == "deepspeed":
-            raise ValueError("the vllm engine is synced by one trainer process; with the deepspeed strategy each "
-                             "rank would push its own copy: use engine hf with deepspeed")
         if self.strategy == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.strategy_check)")

@@ -172,10 +172,12 @@ class PhaseTrainer:
             if policy_url is None:
                 raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
             engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
-            self.sync = WeightSync(engine, probe_sequence(self.tokenizer), probe_tolerance)
-            # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very checkpoint
-            # this run starts from, the resumed one included, verified before the first rollout
-            self.sync.push(self.model, self.global_step, folder=source)
+            if self.strategy.rank == 0:  # every rank samples from the one server; rank 0 keeps it in sync
+                self.sync = WeightSync(engine, probe_sequence(self.tokenizer), probe_tolerance)
+                # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very
+                # checkpoint this run starts from, the resumed one included, verified before the first rollout
+                self.sync.push(self.model, self.global_step, folder=source)
+            self.strategy.barrier()
         else:
             engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         self.stale = False  # the actor changed since the server's last sync
@@ -298,12 +300,17 @@ class PhaseTrainer:
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
 
     def _sync_policy(self, step: int) -> dict[str, float]:
-        """vllm engine: push the actor's weights to the server if an update changed them; the served version."""
-        if self.sync is None:
+        """vllm engine: push the actor's weights to the server if an update changed them (rank 0; the other ranks
+        wait for it); the served version."""
+        if self.config.engine != "vllm":
             return {}
         if self.stale:
-            self.sync.push(self.model, self.global_step, save=self.strategy.save_model)
+            if self.sync is not None:
+                self.sync.push(self.model, self.global_step, save=self.strategy.save_model)
+            self.strategy.barrier()  # no rank samples before the server has the new weights
             self.stale = False
+        if self.sync is None:
+            return {}
         version = self.sync.version
         assert version is not None
         return {"engine/sync_s": version.seconds, "engine/probe_max_diff": version.probe_max_diff,
