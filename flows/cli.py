@@ -481,6 +481,38 @@ def eval_cmd(
     console.print(f"metrics: {Run(env, baseline).eval_metrics}")
 
 
+@app.command("eval-outside")
+def eval_outside_cmd(
+    env: EnvArg,
+    policy_url: Annotated[str, typer.Option(help="OpenAI-compatible server that takes token-id prompts (vLLM, "
+                                                 "SGLang)")],
+    model: Annotated[str, typer.Option(help="the model's name on that server")],
+    tokenizer: Annotated[str, typer.Option(help="folder (or hub id) of the served model's own tokenizer")],
+    profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL (default: start one)")] = None,
+) -> None:
+    """Evaluate an outside model on ENV with the items and metrics of ``scalinginter eval``. Its API key comes from
+    SCALINGINTER_API_KEY (or OPENAI_API_KEY), never from the command line, and is never logged."""
+    from pathlib import Path
+
+    from flows.evaluation import run_outside_eval
+    from training.config import ConfigError
+    from training.layout import Run
+    from training.vllm_engine import EngineError
+
+    _check_env(env)
+    try:
+        result = run_outside_eval(env, policy_url, model, Path(tokenizer), profile, url)
+    except (ConfigError, EngineError) as err:
+        _fail(str(err))
+    low, high = result["success_ci95"]
+    console.print(f"{model} on {env}: success {result['success']:.1%} (95% CI {low:.1%}-{high:.1%}), "
+                  f"Avg@{result['k']} {result['avg_at_k']:.3f}, Pass@{result['k']} {result['pass_at_k']:.1%} over "
+                  f"{result['items']} items")
+    console.print(f"metrics: {Run(env).eval_outside(model)}")
+
+
 @app.command()
 def report(
     envs: Annotated[list[str] | None, typer.Argument(help="environments (default: every one with results)")] = None,

@@ -110,5 +110,34 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     return result
 
 
+def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path, profile: str | None = None,
+                     url: str | None = None, root: Path | None = None) -> dict[str, Any]:
+    """Evaluate an outside model on the items, seed, k, temperature and h our checkpoints are evaluated with
+    (params.yaml ``eval.<profile>``); the API key comes from SCALINGINTER_API_KEY (or OPENAI_API_KEY) and is
+    never written anywhere. Writes and returns ``runs/<env>/eval/outside/<model>.json``."""
+    from training.evaluate import evaluate_outside, summarise
+
+    root = root or project_root()
+    params = load_params(root / "params.yaml")
+    config = eval_config(env, profile, params)
+    h = config.h or curriculum_config(env, profile, params).phases()[-1].h
+    items = stratified_head(load_split(env, "test"), config.items)
+    key = os.environ.get("SCALINGINTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_server(env, **server_config(env, params).launch_kwargs()))
+        result = evaluate_outside(policy_url, model, tokenizer_dir, env, base, [r["item_id"] for r in items], h=h,
+                                  k=config.k, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                                  seed=config.seed, batch_items=config.batch_items,
+                                  context_budget=config.context_budget or 8192, api_key=key)
+    out = {"env": env, "model": model, "server": policy_url, "h": h, "k": config.k,
+           "temperature": config.temperature, "seed": config.seed, "items": len(items),
+           **summarise(result, {r["item_id"]: r.get("sub_task", "all") for r in items})}
+    out.pop("per_item")
+    path = Run(env, root=root).eval_outside(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, out)
+    return out
+
+
 def _write(path: Path, data: Any) -> None:
     atomic_write(path, json.dumps(data, indent=1))

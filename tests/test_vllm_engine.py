@@ -209,3 +209,26 @@ def test_deepspeed_ranks_sample_from_one_server_that_rank_0_keeps_in_sync(vllm_u
     assert engine["syncs"] == 2 and engine["served"]["step"] == 1 and engine["served"]["probe_max_diff"] <= 1e-3
     rows = [json.loads(line) for line in (out / "rollouts" / "step-000001.jsonl").read_text().splitlines()]
     assert {r["weights"]["step"] for r in rows} == {1}
+
+
+def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_model_dir, env_server, tmp_path,
+                                                                         monkeypatch) -> None:
+    """An OpenAI-compatible server guarded by an API key (a vLLM server started with --api-key stands in for
+    an outside one): the key comes from SCALINGINTER_API_KEY, a wrong one is a clear error that never shows it."""
+    import shutil
+
+    from flows.evaluation import run_outside_eval
+
+    key = "sk-test-0123456789"
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    guarded = PolicyServerConfig(extra_args=["--api-key", key])
+    with running_vllm(tiny_model_dir, guarded, max_model_len=4096 + 64) as url:
+        monkeypatch.setenv("SCALINGINTER_API_KEY", "sk-wrong-key")
+        with pytest.raises(EngineError, match="answered 401") as refused:
+            run_outside_eval("babyai", url, "policy", tiny_model_dir, "smoke", env_server("babyai"), tmp_path)
+        assert "sk-wrong-key" not in str(refused.value)
+        monkeypatch.setenv("SCALINGINTER_API_KEY", key)
+        result = run_outside_eval("babyai", url, "policy", tiny_model_dir, "smoke", env_server("babyai"), tmp_path)
+    written = json.loads((tmp_path / "runs/babyai/eval/outside/policy.json").read_text())
+    assert written == json.loads(json.dumps(result)) and written["items"] == 6 and 0 <= written["success"] <= 1
+    assert key not in (tmp_path / "runs/babyai/eval/outside/policy.json").read_text()

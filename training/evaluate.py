@@ -98,23 +98,47 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
         engine = sync.engine
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
-    rollout = Rollout(env, url, engine, tokenizer, config)
-    success: dict[str, list[bool]] = {i: [] for i in item_ids}
-    reward: dict[str, list[float]] = {i: [] for i in item_ids}
     try:
-        for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
-            result = rollout.run(item_ids[start:start + batch_items], h)
-            errors = [t for t in result.trajectories if not t.valid]
-            if errors:
-                raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
-                                   f"(first: {errors[0].error}); evaluation results would be biased")
-            for t in result.trajectories:
-                success[t.item_id].append(t.success)
-                reward[t.item_id].append(t.reward)
+        return _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
     finally:
         if sync is not None:
             sync.close()
+
+
+def _collect(rollout: Rollout, item_ids: list[str], h: int, batch_items: int) -> EvalResult:
+    success: dict[str, list[bool]] = {i: [] for i in item_ids}
+    reward: dict[str, list[float]] = {i: [] for i in item_ids}
+    for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
+        result = rollout.run(item_ids[start:start + batch_items], h)
+        errors = [t for t in result.trajectories if not t.valid]
+        if errors:
+            raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
+                               f"(first: {errors[0].error}); evaluation results would be biased")
+        for t in result.trajectories:
+            success[t.item_id].append(t.success)
+            reward[t.item_id].append(t.reward)
     return EvalResult(success, reward)
+
+
+def evaluate_outside(policy_url: str, model: str, tokenizer_dir: Path, env: str, url: str, item_ids: list[str],
+                     h: int, k: int = 1, temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0,
+                     batch_items: int = 4, context_budget: int = 8192, api_key: str | None = None) -> EvalResult:
+    """An outside model served by an OpenAI-compatible server that takes token-id prompts (vLLM, SGLang) at
+    ``policy_url`` under the name ``model``, on the same rollout and metrics as our checkpoints; prompts are
+    laid out with the chat template of ``tokenizer_dir`` (the served model's own tokenizer). ``api_key`` is sent
+    as a bearer token and never logged."""
+    from transformers import AutoTokenizer
+
+    from training.vllm_engine import VLLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), padding_side="left")
+    engine = VLLMEngine(policy_url, tokenizer.eos_token_id, model=model, api_key=api_key)
+    config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                           context_budget=context_budget)
+    try:
+        return _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
+    finally:
+        engine.close()
 
 
 def _summary(success: list[list[bool]], reward: list[list[float]]) -> dict[str, Any]:

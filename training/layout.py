@@ -14,6 +14,7 @@ working copy's root they are the files on disk.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,7 @@ class Run:
     @property
     def eval_per_item(self) -> Path:
         return self.eval_dir / "per_item.json"
+
+    def eval_outside(self, model: str) -> Path:
+        """The evaluation of an outside model (``scalinginter eval-outside``), named after it."""
+        return self.eval_dir / "outside" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', model)}.json"
