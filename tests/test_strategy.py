@@ -73,3 +73,14 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_manifest(nxt / "final")["global_step"] == 3
+
+
+def test_the_gpu_check_script_runs_a_step_and_reports_its_figures() -> None:
+    """benchmarks/gpu_check.py (run on a GPU machine in bf16) at a tiny shape on this CPU: it samples, trains
+    and prints its JSON line."""
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--shape", "tiny",
+                           "--prompts", "4", "--prompt-tokens", "8", "--new-tokens", "4", "--steps", "2",
+                           "--micro-batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["device"] == "cpu" and out["generation_tokens_per_s"] > 0 and out["training_tokens_per_s"] > 0
