@@ -78,14 +78,15 @@ def test_a_turn_ends_at_the_end_of_turn_id_which_it_keeps(vllm_url, tiny_policy)
     assert not free.finished or free.token_ids[-1] == tokenizer.eos_token_id
 
 
-def test_a_dead_server_is_a_clear_error_never_an_empty_generation(tiny_policy, monkeypatch) -> None:
+def test_a_dead_server_is_a_clear_error_never_an_empty_generation(tiny_policy, tiny_model_dir, monkeypatch
+                                                                   ) -> None:
     _, tokenizer = tiny_policy
     url = f"http://127.0.0.1:{free_port()}"
     engine = VLLMEngine(url, tokenizer.eos_token_id, retries=1)
     with pytest.raises(EngineError, match=rf"policy server {url} unreachable on POST /v1/completions after 2 tries"):
         engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=4, seed=0))
     monkeypatch.setenv("SCALINGINTER_VLLM_PYTHON", "/nonexistent/python")
-    with pytest.raises(EngineError, match="run `make vllm`"), running_vllm(Path("models/tiny"), PolicyServerConfig(),
+    with pytest.raises(EngineError, match="run `make vllm`"), running_vllm(tiny_model_dir, PolicyServerConfig(),
                                                                         max_model_len=64):
         pass
 
