@@ -33,8 +33,7 @@ from tasks.pipeline import (
     provision_env_server,
     provision_policy_server,
     run_phase,
-    teardown_env_server,
-    teardown_policy_server,
+    teardown_server,
     version,
 )
 from training.config import (
@@ -114,9 +113,9 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             print(f"{rows[-1]['stage']}: {how.get(rows[-1]['how'], 'up to date')}")
         results = evaluate_run(env, url, policy_url)
     finally:
-        teardown_env_server(pid)
+        teardown_server(pid)
         if policy_pid is not None:
-            teardown_policy_server(policy_pid)
+            teardown_server(policy_pid)
     report = build_report(env)
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -58,23 +59,16 @@ def push_artifacts() -> bool:
     return True
 
 
+#: the servers the provision tasks started, by pid, with the function that stops each
+_servers: dict[int, tuple[subprocess.Popen, Callable[[subprocess.Popen], None]]] = {}
+
+
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
 def provision_env_server(env: str, server: ServerConfig) -> tuple[str, int]:
     """Start the environment server (health-checked) with params.yaml's ``env_server``; returns (url, pid)."""
     url, proc = start_server(env, **server.launch_kwargs())
-    _servers[proc.pid] = proc
+    _servers[proc.pid] = (proc, stop_server)
     return url, proc.pid
-
-
-_servers: dict[int, subprocess.Popen] = {}
-
-
-@task
-def teardown_env_server(pid: int) -> None:
-    """Stop a server started by :func:`provision_env_server`."""
-    proc = _servers.pop(pid, None)
-    if proc is not None:
-        stop_server(proc)
 
 
 @task
@@ -88,24 +82,20 @@ def build_base_model() -> Path:
 def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_model_len: int) -> tuple[str, int]:
     """Start the vllm engine's server (health-checked) on ``model_dir``; returns (url, pid). Each phase and the
     evaluation load their own weights into it and verify them with the probe before sampling."""
-    from training.vllm_engine import start_vllm
+    from training.vllm_engine import start_vllm, stop_vllm
 
     url, proc = start_vllm(model_dir, server, max_model_len)
-    _policy_servers[proc.pid] = proc
+    _servers[proc.pid] = (proc, stop_vllm)
     return url, proc.pid
 
 
-_policy_servers: dict[int, subprocess.Popen] = {}
-
-
 @task
-def teardown_policy_server(pid: int) -> None:
-    """Stop a server started by :func:`provision_policy_server`."""
-    from training.vllm_engine import stop_vllm
-
-    proc = _policy_servers.pop(pid, None)
-    if proc is not None:
-        stop_vllm(proc)
+def teardown_server(pid: int) -> None:
+    """Stop a server started by :func:`provision_env_server` or :func:`provision_policy_server`."""
+    entry = _servers.pop(pid, None)
+    if entry is not None:
+        proc, stop = entry
+        stop(proc)
 
 
 @task

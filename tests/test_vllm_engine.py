@@ -169,7 +169,7 @@ def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_p
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = done.stdout + done.stderr
-    assert log.count("provision_policy_server") >= 1 and "teardown_policy_server" in log
+    assert "provision_policy_server" in log and log.count("teardown_server") >= 2  # the env and the vLLM server
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
     for stage in ("babyai_phase_0", "babyai_phase_1", "babyai_eval"):
         params = lock[stage]["params"]["params.yaml"]
