@@ -5,8 +5,9 @@
 Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new
 tokens each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early:
 tokens/s counts the tokens actually generated). The hf engine runs ``generate`` in this process with one
-batch of all prompts and the machine's torch threads; the vllm engine sends them as concurrent requests to
-a server started here. Then ``--syncs`` weight syncs (save, load in place, probe) are timed. Prints a JSON
+batch of all prompts and the machine's torch threads; the vllm engine sends them as concurrent requests (one
+per prompt, each with its own seed) to a server started here. ``--repeats`` timed generations per engine,
+interleaved; medians reported. Then ``--syncs`` weight syncs (save, load in place, probe) are timed. Prints a JSON
 line; the figures in the README come from it.
 """
 
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per engine (medians reported)")
     args = parser.parse_args()
 
     model, tokenizer = load_policy(args.model)
@@ -51,25 +53,30 @@ def main() -> None:
     out: dict[str, object] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
                               "torch_threads": torch.get_num_threads()}
 
+    def timed(engine: object) -> tuple[int, float]:
+        started = time.perf_counter()
+        tokens = sum(len(g.token_ids) for g in engine.generate(prompts, params))  # type: ignore[attr-defined]
+        return tokens, time.perf_counter() - started
+
+    def summary(runs: list[tuple[int, float]]) -> dict[str, float]:
+        rates = [tokens / seconds for tokens, seconds in runs]
+        return {"tokens": runs[0][0], "tokens_per_s_median": round(statistics.median(rates), 1),
+                "tokens_per_s_runs": [round(r, 1) for r in rates]}
+
     hf = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, batch_size=args.prompts)
     hf.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-    started = time.perf_counter()
-    tokens = sum(len(g.token_ids) for g in hf.generate(prompts, params))
-    seconds = time.perf_counter() - started
-    out["hf"] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
-
     budget = max(len(p) for p in prompts) + args.new_tokens
     started = time.perf_counter()
     with running_vllm(Path(args.model), PolicyServerConfig(), max_model_len=budget) as url:
         out["vllm_start_s"] = round(time.perf_counter() - started, 1)
         engine = VLLMEngine(url, tokenizer.eos_token_id)
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-        started = time.perf_counter()
-        tokens = sum(len(g.token_ids) for g in engine.generate(prompts, params))
-        seconds = time.perf_counter() - started
-        out["vllm"] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
-        out["speedup"] = round(out["vllm"]["tokens_per_s"] / out["hf"]["tokens_per_s"], 2)  # type: ignore[index]
-
+        hf_runs, vllm_runs = [], []
+        for _ in range(args.repeats):  # interleaved, so both see the same machine
+            hf_runs.append(timed(hf))
+            vllm_runs.append(timed(engine))
+        out["hf"], out["vllm"] = summary(hf_runs), summary(vllm_runs)
+        out["speedup"] = round(out["vllm"]["tokens_per_s_median"] / out["hf"]["tokens_per_s_median"], 2)  # type: ignore[index]
         sync = WeightSync(engine, probe_sequence(tokenizer))
         trained = copy.deepcopy(model)
         times, diffs = [], []
