@@ -68,7 +68,9 @@ def start_server(
         cmd += ["--token", token]
     for key, value in backend_options.items():
         cmd += ["--option", f"{key}={value}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # tied to this process's life: a killed trainer, flow or evaluation never leaves its server (and a SciWorld
+    # server's JVMs, which it stops on SIGTERM) running
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s)

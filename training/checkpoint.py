@@ -50,7 +50,30 @@ def content_hash(files: dict[str, str]) -> str:
 
 def checkpoint_hash(folder: Path) -> str:
     """The checkpoint's own hash, as recorded in its manifest."""
-    return str(json.loads((folder / MANIFEST).read_text())["hash"])
+    return str(read_manifest(folder)["hash"])
+
+
+#: the manifest's hash of itself (every other key), so an edited or corrupted manifest is refused
+SELF_HASH = "manifest_sha256"
+
+
+def _manifest_hash(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != SELF_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _parse_manifest(path: Path) -> dict[str, Any]:
+    """A manifest whose structure and self-hash hold, or a CheckpointError naming the file."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON (corrupted?): {err}") from err
+    if not isinstance(manifest, dict) or not {"files", "hash"} <= set(manifest) or \
+            not isinstance(manifest["files"], dict):
+        raise CheckpointError(f"{path} lacks the checkpoint's file list or hash (corrupted or not a checkpoint)")
+    if SELF_HASH in manifest and manifest[SELF_HASH] != _manifest_hash(manifest):
+        raise CheckpointError(f"{path} fails its own recorded sha256 (corrupted or edited); refusing to use it")
+    return manifest
 
 
 def folder_hash(folder: Path) -> str:
@@ -105,8 +128,9 @@ def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: 
             for name in [n for n in files if any(fnmatch.fnmatch(n, pattern) for pattern in STATE_FILES)]:
                 (tmp / name).rename(state_tmp / name)
                 files[f"state/{name}"] = files.pop(name)
-        manifest = {**record, "files": files, "hash": content_hash(files)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+        manifest = json.loads(json.dumps({**record, "files": files, "hash": content_hash(files)}, default=str))
+        manifest[SELF_HASH] = _manifest_hash(manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if export:
             _fsync_dir(state_tmp)
             replace_folder(state_tmp, folder.parent / f"{folder.name}{STATE_SUFFIX}")
@@ -152,7 +176,7 @@ def read_manifest(folder: Path, verify: bool = False) -> dict[str, Any]:
     key = (str(folder.resolve()), *sorted((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats))
     if verify and key in _verified:  # no file changed since this process verified it (stat only, no hashing)
         return _verified[key]
-    manifest = json.loads(path.read_text())
+    manifest = _parse_manifest(path)
     if verify:
         for name, expected in manifest["files"].items():
             file = _file(folder, name)

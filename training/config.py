@@ -73,6 +73,9 @@ class TrainConfig(BaseModel):
     save_every: int = Field(1, ge=1, description="write an intra-phase checkpoint every N steps")
     keep_checkpoints: int = Field(2, ge=1)
     log_rollouts: bool = True
+    failed_rollout_retries: int = Field(2, ge=0, description="a step whose every trajectory hit an environment "
+                                        "error is rolled out again this many times (backoff 1, 2, 4 ... s), then "
+                                        "the phase stops with an error (never a step of made-up zeros)")
 
     @model_validator(mode="after")
     def _batches(self) -> TrainConfig:

@@ -248,14 +248,14 @@ class Rollout:
 def rollout_stats(result: RolloutResult) -> dict[str, float]:
     """Metrics of one rollout, in the project's metric names."""
     valid = result.valid
-    rewards = [t.reward for t in valid] or [0.0]
     ended = Counter(t.termination for t in result.trajectories)
-    stats = {
-        "reward/mean": sum(rewards) / len(rewards),
-        "reward/max": max(rewards),
-        "reward/min": min(rewards),
-        "success/rate": sum(t.success for t in valid) / max(len(valid), 1),
-        "turns/mean": sum(len(t.turns) for t in valid) / max(len(valid), 1),
+    stats: dict[str, float] = {}
+    if valid:  # with no valid trajectory these are missing, never a made-up 0
+        rewards = [t.reward for t in valid]
+        stats |= {"reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards), "reward/min": min(rewards),
+                  "success/rate": sum(t.success for t in valid) / len(valid),
+                  "turns/mean": sum(len(t.turns) for t in valid) / len(valid)}
+    stats |= {
         "env/errors": float(ended["env_error"]),
         "rollout/trajectories": float(len(result.trajectories)),
         "timing_s/gen": result.seconds_generating,
@@ -267,10 +267,12 @@ def rollout_stats(result: RolloutResult) -> dict[str, float]:
 
 
 def write_rollout_log(path: Path, result: RolloutResult, step: int, extra: dict[str, Any] | None = None) -> Path:
-    """Append one JSON line per trajectory (item, conversation, reward, turns, termination, and ``extra``, e.g.
-    the weight version the server sampled from)."""
+    """Write the step's log, one JSON line per trajectory (item, conversation, reward, turns, termination, and
+    ``extra``, e.g. the weight version the server sampled from), atomically: a step rerun after a resume
+    replaces its log, so each step is logged once, and a kill mid-write leaves the old file or the new one."""
+    from envs.files import atomic_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for t in result.trajectories:
-            f.write(json.dumps({"step": step, **t.log_record(), **(extra or {})}) + "\n")
+    atomic_write(path, "".join(json.dumps({"step": step, **t.log_record(), **(extra or {})}) + "\n"
+                               for t in result.trajectories))
     return path

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ from training.experience import Experience, collate, estimate_advantages, sequen
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.model import load_policy
-from training.rollout import Rollout, RolloutConfig, write_rollout_log
+from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
 from training.strategy import make_strategy
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,8 @@ class PhaseTrainer:
             self.ledger = Ledger()
         self.data = DataStream(env, config, int(state.get("data_position", 0)))
         self.leader = self.strategy.rank == 0  # only rank 0 logs metrics and writes the shared files
+        if self.leader:
+            remove_stale_staging(out_dir)
         self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None) \
             if self.leader else None
         if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
@@ -263,17 +267,14 @@ class PhaseTrainer:
         self.model.eval()
         items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
         stats = self._sync_policy(step)
-        result = self.rollout.run(items, self.h, step=step)
+        result = self._rollout(items, step)
         if cfg.log_rollouts and self.leader:
             served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
             write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step, served)
         self.ledger.generated_tokens += result.generated_tokens
         stats |= result.stats
         t1 = time.perf_counter()
-        valid = result.valid
-        if not valid:  # every environment failed: nothing to learn from, and never a silent zero
-            return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0}
-        exp = collate(valid, self.tokenizer.pad_token_id)
+        exp = collate(result.valid, self.tokenizer.pad_token_id)
         flat_groups = None
         if cfg.drop_flat_groups:  # before the log-prob passes, which flat groups would waste
             flat = flat_rows(exp.rewards, exp.group)
@@ -298,6 +299,25 @@ class PhaseTrainer:
         self.ledger.trained_tokens += trained
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
+
+    def _rollout(self, items: list[str], step: int) -> RolloutResult:
+        """The step's rollout; one whose every trajectory hit an environment error is retried with backoff, then
+        stops the phase (its last checkpoint resumes it): a dead server never yields a step of zeros."""
+        result = self.rollout.run(items, self.h, step=step)
+        for attempt in range(self.config.failed_rollout_retries):
+            if result.valid:
+                break
+            log.warning("step %d: every trajectory hit an environment error; rolling out again in %d s", step,
+                        2**attempt)
+            time.sleep(2**attempt)
+            result = self.rollout.run(items, self.h, step=step)
+        if not result.valid:
+            first = next((t.error for t in result.trajectories if t.error), "no trajectories")
+            raise EnvironmentFailure(
+                f"step {step}: all {len(result.trajectories)} trajectories hit environment errors in "
+                f"{self.config.failed_rollout_retries + 1} tries (first: {first}); the environment server at "
+                f"{self.rollout.url} is failing. The phase stops; rerun it to resume from its last checkpoint")
+        return result
 
     def _sync_policy(self, step: int) -> dict[str, float]:
         """vllm engine: push the actor's weights to the server if an update changed them (rank 0; the other ranks
@@ -453,6 +473,36 @@ class PhaseTrainer:
         return folder
 
 
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove the staging folders a killed checkpoint write left in a phase folder (``.tmp-*``, ``.old-*``), except
+    those of a live process; returns what was removed."""
+    removed = []
+    for folder in (out_dir, out_dir / "intermediate"):
+        for path in [*folder.glob(".tmp-*"), *folder.glob(".old-*")] if folder.exists() else []:
+            # .tmp-<name>-<pid>[-state] (one writer) or .tmp-<name> (ranks share it); .old-<name>-<pid>
+            match = re.fullmatch(r"\.(?:tmp|old)-(?:step-\d+|final)(?:-(\d+))?(?:-state)?", path.name)
+            if match is None or (match.group(1) and _alive(int(match.group(1)))):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.warning("removed %d staging folders left by an interrupted checkpoint write: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]:
     """Trainer or optimizer state: tensors, plain containers and the strategy's own state ``classes`` only (a
     checkpoint may come from a remote, and unpickling anything else could run code)."""
@@ -481,6 +531,10 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
     check_capacity(url, config.batch_items * config.n_samples)
     return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
                         probe_tolerance).run(progress)
+
+
+class EnvironmentFailure(RuntimeError):
+    """Every trajectory of a step failed in the environment, also after retries."""
 
 
 class CapacityConfigError(ValueError):

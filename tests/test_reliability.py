@@ -1,0 +1,111 @@
+"""Faults of training and the pipeline (issue 17, items 11-15): a dead environment server stops the phase with a
+clear error (no step of made-up zeros), a killed parent takes its server along, a step rerun after a resume is
+logged once, staging folders of a killed checkpoint write are cleaned up, and a corrupt manifest is refused by
+name without deleting anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from envs.launcher import ROOT, start_server, stop_server
+from training.checkpoint import MANIFEST, CheckpointError
+from training.config import TrainConfig
+from training.rollout import RolloutResult, rollout_stats, write_rollout_log
+from training.trainer import EnvironmentFailure, PhaseTrainer, remove_stale_staging, train_phase
+from training.trajectory import Trajectory
+
+CONFIG = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=4, micro_batch_size=4,
+                     sub_tasks=["GoTo"], failed_rollout_retries=1)
+
+
+def test_a_dead_env_server_stops_the_phase_with_a_clear_error(tiny_model_dir, tmp_path) -> None:
+    url, proc = start_server("babyai")
+    try:
+        trainer = PhaseTrainer("babyai", 0, 2, 3, tiny_model_dir, tmp_path, CONFIG, url)
+    finally:
+        stop_server(proc)  # dies before the first rollout and is not restarted
+    with pytest.raises(EnvironmentFailure, match=rf"step 0: all 4 trajectories hit environment errors in 2 tries "
+                                                 rf".*environment server at {url} is failing"):
+        trainer.run()
+    assert not (tmp_path / "final").exists()
+    assert not (tmp_path / "dvclive" / "plots" / "metrics" / "reward").exists()  # no fake zeros in the curves
+
+
+def test_a_rollout_without_valid_trajectories_has_no_reward_metrics() -> None:
+    failed = Trajectory(item_id="0", group=0, sample=0, input_ids=[1], loss_mask=[0])
+    failed.finish("env_error", "ConnectError")
+    stats = rollout_stats(RolloutResult([failed]))
+    assert stats["env/errors"] == 1.0 and not {"reward/mean", "success/rate", "turns/mean"} & set(stats)
+
+
+def test_a_step_rerun_after_a_resume_is_logged_once(tmp_path) -> None:
+    done = Trajectory(item_id="3", group=0, sample=0, input_ids=[1, 2], loss_mask=[0, 1])
+    done.finish("done")
+    result = RolloutResult([done, done])
+    path = tmp_path / "step-000001.jsonl"
+    write_rollout_log(path, result, 1)
+    write_rollout_log(path, result, 1)  # the same step again, after a kill and resume
+    assert len(path.read_text().splitlines()) == 2
+    assert not list(tmp_path.glob(".*"))  # atomic: no temp file left
+
+
+def test_staging_folders_of_a_killed_write_are_removed_but_a_live_writers_stay(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "intermediate").mkdir()
+    stale = [tmp_path / "intermediate" / f".tmp-step-000002-{dead.pid}", tmp_path / "intermediate" / ".tmp-step-000003",
+             tmp_path / f".tmp-final-{dead.pid}-state", tmp_path / f".old-final-{dead.pid}"]
+    live = tmp_path / "intermediate" / f".tmp-step-000004-{os.getpid()}"
+    for folder in [*stale, live, tmp_path / "intermediate" / "step-000001"]:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    assert sorted(remove_stale_staging(tmp_path)) == sorted(stale)
+    assert live.exists() and (tmp_path / "intermediate" / "step-000001").exists()
+
+
+@pytest.mark.slow
+def test_a_corrupt_manifest_is_refused_by_name_and_nothing_is_deleted(env_server, tiny_model_dir, tmp_path) -> None:
+    url = env_server("babyai")
+    train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)
+    shutil.rmtree(tmp_path / "final")  # as if killed before the end: the intermediate checkpoint resumes it
+    shutil.rmtree(tmp_path / "final-state", ignore_errors=True)
+    manifest = tmp_path / "intermediate" / "step-000001" / MANIFEST
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"temperature": 1.0', '"temperature": 2.0'))  # a flipped value
+    with pytest.raises(CheckpointError, match=rf"{manifest} fails its own recorded sha256"):
+        train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)
+    manifest.write_text(text[:-40])  # a broken structure
+    with pytest.raises(CheckpointError, match=rf"{manifest} is not valid JSON"):
+        train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)
+    assert (tmp_path / "intermediate" / "step-000001" / "model.safetensors").exists()  # nothing deleted
+    manifest.write_text(text)  # repaired: it resumes and finishes
+    final = train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=url)
+    assert json.loads((final / MANIFEST).read_text())["global_step"] == 2
+
+
+def test_a_killed_parent_takes_its_env_server_along(tmp_path) -> None:
+    script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from envs.launcher import start_server; "
+              "url, proc = start_server('babyai'); print(proc.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(ROOT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{server}/stat") as f:  # a zombie (exited, not yet reaped by init) counts as gone
+            if f.read().split(") ")[1].startswith("Z"):
+                break
+        assert time.monotonic() < deadline, f"the env server {server} outlived its killed parent by 60 s"
+        time.sleep(0.2)
