@@ -24,10 +24,10 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
@@ -42,10 +42,6 @@ InstanceId = Annotated[int, Field(strict=True, ge=0, validation_alias=AliasChoic
 
 class ActionTooLargeError(EnvError):
     status_code = 413
-
-
-class AuthError(EnvError):
-    status_code = 401
 
 
 class RequestShapeError(EnvError):
@@ -66,6 +62,15 @@ class ResetBody(IdBody):
 
 class StepBody(IdBody):
     action: Annotated[str, Field(strict=True)]
+
+    @field_validator("action")
+    @classmethod
+    def _utf8(cls, action: str) -> str:
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: applied, it would make every answer unencodable
+            raise ValueError(f"the action is not valid UTF-8 (a lone surrogate at character {err.start})") from None
+        return action
 
 
 class BatchBody(_Body):
@@ -111,20 +116,63 @@ def _on_loop(handler: Any) -> Any:
     return endpoint  # functools.wraps exposes the handler's signature, so FastAPI parses the same body
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413 before parsing them."""
+class BodyTooLargeError(EnvError):
+    status_code = 413
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+
+class Gate:
+    """ASGI middleware in front of every endpoint, before any body is read:
+
+    * the bearer token (when set) on every path but ``/health`` (the OpenAPI docs included);
+    * the body limit, on the declared ``Content-Length`` and on the bytes actually streamed (chunked bodies);
+    * an error no handler knew becomes a JSON answer (500; 422 for JSON nested too deeply) on a connection
+      that stays open: Starlette's own last-resort handler re-raises, and uvicorn then drops the keep-alive
+      connection, so a client's next request on it, another instance's step, would fail.
+    """
+
+    def __init__(self, app: Any, limit: int, token: str | None, name: str) -> None:
+        self.app, self.limit, self.token, self.name = app, limit, token, name
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        if self.token is not None and scope["path"] != "/health" and not secrets.compare_digest(
+                headers.get(b"authorization", b""), f"Bearer {self.token}".encode()):
+            detail = "missing or wrong bearer token: send 'Authorization: Bearer <token>'"
+            return await JSONResponse({"detail": detail}, 401, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             detail = f"request body is {int(length)} bytes; the limit is {self.limit} bytes"
             return await JSONResponse({"detail": detail}, 413)(scope, receive, send)
-        await self.app(scope, receive, send)
+        received, started = 0, False
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise BodyTooLargeError(f"request body is over {self.limit} bytes (streamed); the limit is "
+                                        f"{self.limit} bytes")
+            return message
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            if isinstance(exc, RecursionError):
+                status, detail = 422, "malformed request: the JSON body is nested too deeply"
+            else:
+                log.exception("environment error on %s", scope["path"])
+                status, detail = 500, f"{self.name} environment error: {type(exc).__name__}: {exc}"
+            await JSONResponse({"detail": detail}, status)(scope, receive, send)
 
 
 def create_app(
@@ -158,17 +206,9 @@ def create_app(
             table.close_all()
             backend.shutdown()
 
-    async def authorize(request: Request) -> None:  # async: a sync dependency costs a thread hop per request
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {token}".encode()):
-            raise AuthError("missing or wrong bearer token: send 'Authorization: Bearer <token>'")
-
     app = FastAPI(title=f"scalinginter {backend.name} environment server", lifespan=lifespan)
     app.state.table = table
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
-    guarded = [Depends(authorize)]
+    app.add_middleware(Gate, limit=max_body_bytes, token=token, name=backend.name)  # auth, body limit, errors
 
     @app.exception_handler(EnvError)
     async def env_error(request: Request, exc: EnvError) -> JSONResponse:
@@ -185,14 +225,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, EnvError):  # raised while FastAPI read the body (a streamed body too large)
+            return JSONResponse({"detail": str(exc.__cause__)}, exc.__cause__.status_code)
         if exc.status_code == 400:  # FastAPI's "error parsing the body": a malformed body, hence 422
             return JSONResponse({"detail": f"malformed request: the body is not valid JSON ({exc.detail})"}, 422)
         return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("environment error on %s", request.url.path)
-        return JSONResponse({"detail": f"{backend.name} environment error: {type(exc).__name__}: {exc}"}, 500)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -207,13 +244,13 @@ def create_app(
             "capacity": backend.capacity,
         }
 
-    @app.post("/create", dependencies=guarded)
+    @app.post("/create")
     async def create(request: Request) -> dict[str, Any]:
         raw = await request.body()
         if raw.strip():
             try:
                 body = await request.json()
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise RequestShapeError("the /create body must be empty or a JSON object") from None
             if not isinstance(body, dict):
                 raise RequestShapeError("the /create body must be empty or a JSON object")
@@ -222,7 +259,7 @@ def create_app(
             return {"id": idx, backend.id_field: idx}
         return {"id": idx, **reset(ResetBody(id=idx, data_idx=0))}
 
-    @app.post("/reset", dependencies=guarded)
+    @app.post("/reset")
     def reset(body: ResetBody) -> dict[str, Any]:
         backend.check_index(body.data_idx)
         with table.use(body.id) as slot:
@@ -258,17 +295,17 @@ def create_app(
     # more than the step. Slow ones (a JVM, a browser) run in the thread pool so the loop stays free.
     for path, handler in (("/step", step_one), ("/step_batch", step_batch)):
         if backend.fast_steps:
-            app.post(path, dependencies=guarded)(_on_loop(handler))
+            app.post(path)(_on_loop(handler))
         else:
-            app.post(path, dependencies=guarded)(handler)
+            app.post(path)(handler)
 
-    @app.get("/observation", dependencies=guarded)
+    @app.get("/observation")
     def observation(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:
         idx = _query_id(id, env_idx)
         with table.use(idx) as slot:
             return {"id": idx, "observation": slot.env.observe() if slot.reset else ""}
 
-    @app.get("/available_actions", dependencies=guarded)
+    @app.get("/available_actions")
     def available_actions(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:
         idx = _query_id(id, env_idx)
         with table.use(idx) as slot:
@@ -276,7 +313,7 @@ def create_app(
                 raise NotResetError(f"instance {idx} has no task yet: POST /reset {{id, data_idx}} first")
             return {"id": idx, "available_actions": slot.env.available_actions()}
 
-    @app.post("/close", dependencies=guarded)
+    @app.post("/close")
     def close(body: IdBody) -> bool:
         table.close(body.id)
         return True

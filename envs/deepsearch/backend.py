@@ -16,7 +16,6 @@ the sub-task; default: the generated world's questions).
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
@@ -26,8 +25,16 @@ from envs.base import Backend as BaseBackend
 from envs.base import EnvError, Environment, EpisodeFinishedError, StepResult
 from envs.deepsearch.world import CATEGORIES, Question, default_world, exact_match
 
-SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+def first_tag(text: str, tag: str) -> tuple[int, str] | None:
+    """(start, content) of the first complete ``<tag>...</tag>`` in ``text`` (what ``<tag>(.*?)</tag>`` finds), in
+    linear time: the regex retries every opening tag when no closing one follows, which is quadratic."""
+    start = text.find(f"<{tag}>")
+    if start < 0:
+        return None
+    end = text.find(f"</{tag}>", start + len(tag) + 2)  # a later opening tag closes at the same place or not at all
+    return None if end < 0 else (start, text[start + len(tag) + 2:end])
+
 ACTIONS = ["<search> your query </search>", "<answer> your answer </answer>"]
 FORMAT_HELP = ("Invalid action: write <search> query </search> to search, or <answer> answer </answer> to "
                "answer.")
@@ -84,10 +91,9 @@ class DeepSearchEnv(Environment):
     def step(self, action: str) -> StepResult:
         if self.question is None or self.done:
             raise EpisodeFinishedError("the episode is finished (or was never reset): POST /reset first")
-        answer = ANSWER.search(action)
-        search = SEARCH.search(action)
-        if search and (not answer or search.start() < answer.start()):
-            query = " ".join(search.group(1).split())
+        answer, search = first_tag(action, "answer"), first_tag(action, "search")
+        if search and (not answer or search[0] < answer[0]):
+            query = " ".join(search[1].split())
             if not query:
                 self.observation = "Empty search query: write <search> query </search> with some words."
             else:
@@ -95,7 +101,7 @@ class DeepSearchEnv(Environment):
                 self.observation = self.backend.information(query)
             return StepResult(self.observation)
         if answer:
-            if exact_match(answer.group(1), self.question.answers):
+            if exact_match(answer[1], self.question.answers):
                 self.done = True
                 self.observation = "Your answer is correct."
                 return StepResult(self.observation, reward=1.0, score=1.0, done=True, success=True)

@@ -39,7 +39,7 @@ TEMPLATES = ("craft <n> <item> using <n> <item>, <n> <item>, ...", "get <n> <ite
 MAX_DISTRACTORS = 10
 
 _CRAFT = re.compile(r"craft\s+(?:\d+\s+)?(?P<target>.+?)\s+using\s+(?P<inputs>.+)")
-_COUNTED = re.compile(r"(?P<count>\d+)\s+(?P<name>\S.*)")
+_COUNTED = re.compile(r"(?P<count>\d{1,9})\s+(?P<name>\S.*)")  # a count of at most 9 digits (no huge ints)
 NOT_STARTED = "The episode has not started: reset it with a data_idx first."
 
 

@@ -1,0 +1,108 @@
+"""Hostile input against the environment servers (issue 17, items 1-5, 7, 8), through real HTTP: lone surrogates,
+deeply nested JSON, huge counts, quadratic parsing, streamed bodies over the limit, the docs behind the token,
+and an unexpected error that keeps the connection open."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envs.deepsearch.backend import first_tag
+from envs.launcher import running_server
+from envs.webarena.browser import bracketed
+
+
+def _new(http: httpx.Client, data_idx: int = 1) -> int:
+    idx = http.post("/create").json()["id"]
+    assert http.post("/reset", json={"id": idx, "data_idx": data_idx}).status_code == 200
+    return idx
+
+
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
+def test_a_lone_surrogate_is_422_and_leaves_the_instance_usable(env: str, env_server) -> None:
+    with httpx.Client(base_url=env_server(env), timeout=60) as http:
+        idx, other = _new(http), _new(http)
+        for body in (b'{"id": %d, "action": "\\ud800"}' % idx, b'{"id": %d, "action": "\xed\xa0\x80"}' % idx):
+            answer = http.post("/step", content=body, headers={"content-type": "application/json"})
+            assert answer.status_code == 422, answer.text
+        batch = http.post("/step_batch", json={"steps": [{"id": other, "action": "look"}]},
+                          headers={"content-type": "application/json"})
+        assert batch.status_code == 200  # a clean round still steps
+        bad = b'{"steps": [{"id": %d, "action": "look"}, {"id": %d, "action": "\\udfff"}]}' % (other, idx)
+        assert http.post("/step_batch", content=bad, headers={"content-type": "application/json"}).status_code == 422
+        assert http.get("/observation", params={"id": idx}).status_code == 200  # nothing was applied
+
+
+@pytest.mark.parametrize("path", ["/create", "/step", "/reset", "/step_batch"])
+def test_deeply_nested_json_is_422_not_500(path: str, env_server) -> None:
+    with httpx.Client(base_url=env_server("babyai"), timeout=60) as http:
+        answer = http.post(path, content=b"[" * 100_000, headers={"content-type": "application/json"})
+        assert answer.status_code == 422, answer.text
+        assert http.get("/health").status_code == 200
+
+
+def test_a_textcraft_count_of_thousands_of_digits_is_a_format_message(env_server) -> None:
+    with httpx.Client(base_url=env_server("textcraft"), timeout=60) as http:
+        idx = _new(http, 0)
+        answer = http.post("/step", json={"id": idx, "action": f"get {'1' * 4400} oak log"})
+        assert answer.status_code == 200 and "Wrong item format" in answer.json()["observation"]
+
+
+def test_deep_search_tags_without_an_end_are_parsed_in_one_pass(env_server) -> None:
+    with httpx.Client(base_url=env_server("deepsearch"), timeout=120) as http:
+        idx = _new(http, 0)
+        answer = http.post("/step", json={"id": idx, "action": "<answer>" * 120_000})  # ~1 MB: hours, quadratic
+        assert answer.status_code == 200 and "Invalid action" in answer.json()["observation"]
+        assert http.get("/health").status_code == 200
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="<>/answerch[]x ", max_size=40))
+def test_the_linear_parsers_find_what_the_regexes_found(text: str) -> None:
+    for tag in ("answer", "search"):
+        match = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
+        assert first_tag(text, tag) == (match and (match.start(), match.group(1)))
+    assert bracketed(text) == re.findall(r"\[(.*?)\]", text, re.DOTALL)
+
+
+def test_a_streamed_body_over_the_limit_is_413_and_the_token_comes_first() -> None:
+    def chunks(total: int):  # no Content-Length: chunked transfer encoding
+        for _ in range(total // 1000):
+            yield b"x" * 1000
+
+    with running_server("textcraft", max_body_bytes=10_000) as url, httpx.Client(base_url=url, timeout=60) as http:
+        answer = http.post("/step", content=chunks(50_000), headers={"content-type": "application/json"})
+        assert answer.status_code == 413 and "streamed" in answer.json()["detail"]
+        assert http.get("/health").status_code == 200
+    with running_server("textcraft", max_body_bytes=10_000, token="s3cret") as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert http.post("/create", content=chunks(50_000)).status_code == 401  # refused before reading it
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert http.get(path).status_code == 401, path
+        assert http.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_an_unexpected_error_is_a_json_500_that_does_not_escape_to_the_server() -> None:
+    """uvicorn drops a keep-alive connection when an exception escapes the app (Starlette's last-resort
+    handler re-raises after answering): the gate answers and does not re-raise."""
+    import asyncio
+
+    from envs.server import Gate
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("simulator exploded")
+
+    async def call() -> httpx.Response:
+        app = Gate(broken, limit=1000, token=None, name="toy")
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)  # an escaping error would raise here
+        async with httpx.AsyncClient(transport=transport, base_url="http://toy") as client:
+            return await client.post("/step", json={"id": 0, "action": "x"})
+
+    answer = asyncio.run(call())
+    assert answer.status_code == 500
+    assert answer.json()["detail"] == "toy environment error: RuntimeError: simulator exploded"
