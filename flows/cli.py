@@ -329,6 +329,8 @@ def sft(
     sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
     epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
     lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+    max_tokens: Annotated[int, typer.Option(help="longest episode trained on (longer ones are left out, counted)")]
+    = 2048,
 ) -> None:
     """Warm-start a policy by SFT on expert episodes (optional; the paper's presets use no SFT)."""
     from pathlib import Path
@@ -341,8 +343,17 @@ def sft(
     with console.status(f"playing {episodes} {env} expert episodes"):
         conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
     source = Path(init) if init else base_model_dir(load_params())
-    path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr), progress=True)
-    console.print(f"SFT on {len(conversations)} episodes -> {path}")
+    try:
+        path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens),
+                       progress=True)
+    except ValueError as err:
+        _fail(str(err))
+    from training.checkpoint import read_manifest
+
+    manifest = read_manifest(path)
+    left_out = manifest["episodes_over_max_tokens"]
+    console.print(f"SFT on {manifest['episodes']} episodes -> {path}" +
+                  (f" ({left_out} longer than {max_tokens} tokens left out)" if left_out else ""))
 
 
 @app.command()

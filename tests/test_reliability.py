@@ -109,3 +109,24 @@ def test_a_killed_parent_takes_its_env_server_along(tmp_path) -> None:
                 break
         assert time.monotonic() < deadline, f"the env server {server} outlived its killed parent by 60 s"
         time.sleep(0.2)
+
+
+def test_sft_leaves_out_over_long_episodes_with_a_count(tiny_model_dir, tmp_path) -> None:
+    from training.checkpoint import read_manifest
+    from training.config import SFTConfig
+    from training.sft import sft
+
+    def episode(turns: int) -> list[dict[str, str]]:
+        messages = [{"role": "user", "content": "go to the red ball"}, {"role": "assistant", "content": "OK"},
+                    {"role": "user", "content": "you see a wall"}]
+        for _ in range(turns):
+            messages += [{"role": "assistant", "content": "turn left"}, {"role": "user", "content": "you see a wall"}]
+        return messages[:-1]
+
+    short, long = episode(1), episode(200)
+    config = SFTConfig(epochs=1, batch_size=2, max_tokens=256)
+    out = sft(tiny_model_dir, tmp_path / "sft", [short, long, short], config)
+    manifest = read_manifest(out)
+    assert (manifest["episodes"], manifest["episodes_over_max_tokens"]) == (2, 1)
+    with pytest.raises(ValueError, match=r"all 1 SFT episodes are longer than max_tokens=256"):
+        sft(tiny_model_dir, tmp_path / "none", [long], config)

@@ -170,6 +170,8 @@ class SFTConfig(BaseModel):
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(8, ge=1)
+    max_tokens: int = Field(2048, ge=16, description="longest episode trained on, in tokens; longer ones are left "
+                            "out and counted (a batch's logits take batch x tokens x vocabulary floats)")
     seed: int = 0
     device: str = "cpu"
 

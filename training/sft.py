@@ -11,6 +11,7 @@ observation tokens.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from training.losses import token_logprobs
 from training.model import load_policy
 from training.rollout import ChatFormat, opening_messages
 from training.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, str]]]:
@@ -72,6 +75,15 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
     examples = [to_trajectory(m, tokenizer, i) for i, m in enumerate(conversations)]
     if not examples:
         raise ValueError("SFT got no conversations: give at least one expert episode")
+    lengths = [len(e.input_ids) for e in examples]
+    examples = [e for e in examples if len(e.input_ids) <= config.max_tokens]
+    dropped = len(lengths) - len(examples)
+    if not examples:
+        raise ValueError(f"all {len(lengths)} SFT episodes are longer than max_tokens={config.max_tokens} (shortest "
+                         f"{min(lengths)} tokens): raise max_tokens or train on shorter episodes")
+    if dropped:
+        log.warning("SFT leaves out %d of %d episodes longer than max_tokens=%d (longest %d tokens)", dropped,
+                    len(lengths), config.max_tokens, max(lengths))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     rng = random.Random(config.seed)
     model.train()
@@ -97,7 +109,7 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
         torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)  # RL keeps close to the SFT policy
 
     record = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
-              "final_loss": losses[-1], "first_loss": losses[0]}
+              "episodes_over_max_tokens": dropped, "final_loss": losses[-1], "first_loss": losses[0]}
     write_checkpoint(out, write, record, export=True)
     return out
 
