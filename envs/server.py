@@ -254,6 +254,10 @@ def create_app(
                 raise RequestShapeError("the /create body must be empty or a JSON object") from None
             if not isinstance(body, dict):
                 raise RequestShapeError("the /create body must be empty or a JSON object")
+            custom = sorted(k for k in ("commands", "goal") if body.get(k) is not None)
+            if custom:  # AgentGym's TextCraft lets a client bring its own recipes and goal; tasks here come by index
+                raise RequestShapeError(f"/create does not take {' or '.join(custom)}: this server's tasks are its "
+                                        "split's items, chosen by POST /reset {id, data_idx}")
         idx = table.create()
         if not backend.reset_on_create:
             return {"id": idx, backend.id_field: idx}

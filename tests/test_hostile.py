@@ -106,3 +106,11 @@ def test_an_unexpected_error_is_a_json_500_that_does_not_escape_to_the_server() 
     answer = asyncio.run(call())
     assert answer.status_code == 500
     assert answer.json()["detail"] == "toy environment error: RuntimeError: simulator exploded"
+
+
+def test_create_names_agentgyms_custom_task_fields_it_does_not_take(env_server) -> None:
+    with httpx.Client(base_url=env_server("textcraft"), timeout=60) as http:
+        refused = http.post("/create", json={"commands": "craft 1 stick using 2 oak planks", "goal": "stick"})
+        assert refused.status_code == 422 and "does not take commands or goal" in refused.json()["detail"]
+        plain = http.post("/create", json={"commands": None, "goal": None, "minecraft_dir": "crafting_recipes/"})
+        assert plain.status_code == 200  # what AgentGym's client sends by default still works
