@@ -5,6 +5,7 @@ and an unexpected error that keeps the connection open."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -114,3 +115,36 @@ def test_create_names_agentgyms_custom_task_fields_it_does_not_take(env_server) 
         assert refused.status_code == 422 and "does not take commands or goal" in refused.json()["detail"]
         plain = http.post("/create", json={"commands": None, "goal": None, "minecraft_dir": "crafting_recipes/"})
         assert plain.status_code == 200  # what AgentGym's client sends by default still works
+
+
+@pytest.mark.browser
+def test_the_browser_reaches_only_the_environments_sites(env_server) -> None:
+    """WebArena in real Chromium: goto refuses file://, other localhost ports and other hosts; and the context's
+    route filter refuses any other request a page makes (scripts, links, forms), not only goto."""
+    other = env_server("babyai")  # another server on this machine, which the agent must not reach
+    with httpx.Client(base_url=env_server("webarena"), timeout=120) as http:
+        idx = http.post("/create").json()["env_idx"]
+        assert http.post("/reset", json={"env_idx": idx, "idx": 0}).status_code == 200
+        for url in ("file:///etc/passwd", f"{other}/health", "http://169.254.169.254/latest/meta-data/"):
+            seen = http.post("/step", json={"env_idx": idx, "action": f"goto [{url}]"}).json()["observation"]
+            assert "goto is limited to this environment's sites" in seen, seen[:300]
+            assert "root:" not in seen and '"status"' not in seen
+        http.post("/close", json={"env_idx": idx})
+
+    from envs.webarena.backend import Backend
+
+    backend = Backend()
+    try:
+        env = backend.new_instance()
+        env.reset(0)
+        page_fetch = "url => fetch(url, {mode: 'no-cors'}).then(r => 'reached ' + r.status, e => 'refused')"
+        assert backend.browser.call(lambda: env._b_page().evaluate(page_fetch, f"{other}/health")) == "refused"
+        own = backend.local_sites[0] + "/shop"
+        assert backend.browser.call(lambda: env._b_page().evaluate(page_fetch, own)).startswith("reached")
+        backend.browser.call(lambda: env._b_page().evaluate("url => { window.location.href = url; }",
+                                                            f"{other}/health"))
+        time.sleep(1)
+        assert backend.browser.call(lambda: env._b_page().url).startswith(backend.local_sites[0])
+        env.close()
+    finally:
+        backend.shutdown()

@@ -133,8 +133,8 @@ def test_observation_is_an_accessibility_tree_and_bad_actions_are_explained(env_
     assert "Tab 0 (current)" in client.step(_reply("close_tab")).observation
     assert "Invalid action" in client.step(_reply("jump [3]")).observation
     assert "no element [999999]" in client.step(_reply("click [999999]")).observation
-    gone = client.step(_reply("goto [http://127.0.0.1:9/nothing]"))
-    assert "did not complete" in gone.observation and not gone.done
+    gone = client.step(_reply("goto [http://127.0.0.1:9/nothing]"))  # outside the sandbox: refused, explained
+    assert "goto is limited to this environment's sites" in gone.observation and not gone.done
     client.step(_reply("go_back"))
     end = client.step(_reply("stop [$899.00]"))
     assert end.done and end.success and end.reward == 1.0

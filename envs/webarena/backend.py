@@ -79,6 +79,18 @@ def start_sites(timeout_s: float = 60.0) -> tuple[str, subprocess.Popen]:
     return start_helper("envs.webarena.site", timeout_s=timeout_s)
 
 
+def _origin(url: str) -> str:
+    """scheme://host:port of ``url`` (the port made explicit), lower case."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
+    except ValueError:  # a port that is not a number
+        return ""
+    return f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{port}"
+
+
 def _rebase(url: str, prefixes: Iterable[tuple[str, str]]) -> str:
     """``url`` with the first matching ``old`` base URL replaced by ``new``, for (old, new) in ``prefixes``."""
     for old, new in prefixes:
@@ -119,9 +131,18 @@ class WebArenaEnv(Environment):
     def _b_open(self) -> None:
         self.context = self.backend.browser.browser.new_context(viewport={"width": 1280, "height": 720})
         self.context.set_default_timeout(self.backend.step_timeout_ms)
+        # the sandbox: every request of every page (links, forms, scripts, new tabs) to another origin than the
+        # environment's sites is refused by the browser itself
+        self.context.route("**/*", self._b_route)
         cookies = [{"name": "sandbox", "value": self.sandbox, "url": url} for url in self.backend.local_sites]
         if cookies:
             self.context.add_cookies(cookies)
+
+    def _b_route(self, route: Any) -> None:
+        if self.backend.allowed(route.request.url):
+            route.continue_()
+        else:
+            route.abort("blockedbyclient")
 
     def _b_page(self) -> Any:
         return self.pages[self.active]
@@ -187,7 +208,11 @@ class WebArenaEnv(Environment):
             self.pages.pop(self.active).close()
             self._b_focus(len(self.pages) - 1)
         elif action.kind == "goto":
-            page.goto(self.backend.real_url(action.text))
+            url = self.backend.real_url(action.text)
+            if not self.backend.allowed(url):
+                raise ActionError(f"goto is limited to this environment's sites ({', '.join(self.backend.sites_shown)})"
+                                  f"; {action.text} is outside them")
+            page.goto(url)
         elif action.kind == "go_back":
             page.go_back()
         elif action.kind == "go_forward":
@@ -310,6 +335,8 @@ class Backend(BaseBackend):
             raise ValueError(f"tasks need the sites {sorted(missing)}: pass their URLs as options "
                              f"({', '.join(m.strip('_').lower() + '=URL' for m in sorted(missing))})")
         self.tasks = [_substitute(t, urls) for t in raw]
+        self.origins = {_origin(u) for u in urls.values()}  # the only origins the browser may reach
+        self.sites_shown = sorted({self.shown_url(u) for u in urls.values()})
         self.http = httpx.Client(timeout=30.0)
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -318,6 +345,11 @@ class Backend(BaseBackend):
     @property
     def capacity(self) -> int:
         return self.max_contexts
+
+    def allowed(self, url: str) -> bool:
+        """Whether the browser may load ``url``: http(s) on one of the environment's sites, or an inline page."""
+        scheme = url.split(":", 1)[0].lower()
+        return scheme in {"data", "about", "blob"} or (scheme in {"http", "https"} and _origin(url) in self.origins)
 
     def shown_url(self, url: str) -> str:
         """``url`` as observations show it: the shipped sites under LOCAL_ALIAS, whatever port they got."""
