@@ -4,6 +4,7 @@ and an unexpected error that keeps the connection open."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -148,3 +149,38 @@ def test_the_browser_reaches_only_the_environments_sites(env_server) -> None:
         env.close()
     finally:
         backend.shutdown()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) |
+    st.text(st.characters(exclude_categories=()), max_size=20),  # surrogates included
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+_IDS = st.integers(-2, 40) | st.integers() | st.text(max_size=3) | st.none()
+_BODIES = _JSON | st.fixed_dictionaries({"id": _IDS}, optional={"action": _JSON, "data_idx": _IDS}) | \
+    st.fixed_dictionaries({"steps": st.lists(st.fixed_dictionaries({"id": _IDS, "action": _JSON}), max_size=3)})
+_PATHS = st.sampled_from(["/create", "/reset", "/step", "/step_batch", "/close", "/observation",
+                          "/available_actions"])
+
+
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
+def test_fuzzed_requests_get_no_undocumented_5xx(env: str, env_server) -> None:
+    """Property-based fuzzing of every endpoint with arbitrary JSON (surrogates, huge ints, wrong shapes) and
+    ids that exist: every answer is a documented status (5xx only as 502/503), and the server stays healthy."""
+    with httpx.Client(base_url=env_server(env), timeout=60) as http:
+        live = [_new(http) for _ in range(2)]
+
+        @settings(max_examples=150, deadline=None)
+        @given(path=_PATHS, body=_BODIES)
+        def fuzz(path: str, body: object) -> None:
+            if isinstance(body, dict) and body.get("id") == -2:
+                body = {**body, "id": live[0]}  # now and then a live instance
+            if path in ("/observation", "/available_actions"):
+                answer = http.get(path, params={"id": str(body.get("id") if isinstance(body, dict) else body)})
+            else:
+                answer = http.post(path, content=json.dumps(body).encode(),
+                                   headers={"content-type": "application/json"})
+            assert answer.status_code < 500 or answer.status_code in (502, 503), (path, body, answer.text[:300])
+
+        fuzz()
+        assert http.get("/health").json()["status"] == "ok"
