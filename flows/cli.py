@@ -552,6 +552,10 @@ def report(
 def run(
     env: Annotated[str, typer.Option(help="environment whose curriculum to train")] = "sciworld",
     profile: Annotated[str, typer.Option(help="params.yaml profile")] = "smoke",
+    record: Annotated[str, typer.Option(help="how the lineage is kept: commit (dvc.lock on this branch), exp (a DVC "
+                                             "experiment) or none")] = "commit",
+    push: Annotated[bool, typer.Option(help="also push the lineage to the git and DVC remotes (deployments do by "
+                                            "default; a local run does not unless asked)")] = False,
 ) -> None:
     """The main job: the whole ScalingInter pipeline for ENV as a Prefect flow (embedded API, no server)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -560,8 +564,10 @@ def run(
     from training.config import ConfigError
 
     _check_env(env)
+    if record not in ("commit", "exp", "none"):
+        _fail(f"--record must be commit, exp or none, not {record!r}")
     try:
-        result = scalinginter(env=env, profile=profile)
+        result = scalinginter(env=env, profile=profile, record=record, push=push)  # type: ignore[arg-type]
     except ConfigError as err:
         _fail(str(err))
     evaluation = result["evaluation"]

@@ -138,7 +138,9 @@ def version(message: str, record: Record = "commit", push: bool = True) -> str:
     """Record the run's lineage: ``commit`` commits dvc.lock (with params.yaml, phases.yaml, dvc.yaml) on the
     current branch as git's configured author; ``exp`` saves it as a DVC experiment (``dvc exp save``) and
     leaves the branch alone; ``none`` records nothing. With ``push``, artifacts go to the DVC remote and the
-    commit (or experiment) to the git remote, where those are configured."""
+    commit (or experiment) to the git remote, where those are configured. A push that fails (a remote that moved
+    on, is unreachable, or refuses) does not fail the run, whose lineage is recorded here: the answer says what
+    was not pushed and how to push it."""
     root = project_root()
     if record == "none":
         return "lineage not recorded (record: none); dvc.lock holds it"
@@ -156,13 +158,26 @@ def version(message: str, record: Record = "commit", push: bool = True) -> str:
             _run(["git", "commit", "-m", message])  # git's own author; a missing one is git's error, shown
             done.append("committed")
     if push:
-        if push_artifacts():
-            done.append("artifacts pushed to the DVC remote")
+        try:
+            if push_artifacts():
+                done.append("artifacts pushed to the DVC remote")
+        except RuntimeError as err:
+            done.append(f"NOT pushed to the DVC remote ({_first_line(err)}): run `dvc push` when it is reachable")
         remotes = _run(["git", "remote"]).split()
         if remotes:  # the first one (origin, as a clone names it)
-            if record == "exp":
-                _run(["dvc", "exp", "push", remotes[0], "--rev", "HEAD"])  # the experiments of this commit
-            else:
-                _run(["git", "push", remotes[0], "HEAD"])
-            done.append(f"pushed to the git remote {remotes[0]}")
+            try:
+                if record == "exp":
+                    _run(["dvc", "exp", "push", remotes[0], "--rev", "HEAD"])  # the experiments of this commit
+                else:
+                    _run(["git", "push", remotes[0], "HEAD"])
+                done.append(f"pushed to the git remote {remotes[0]}")
+            except RuntimeError as err:
+                how = "dvc exp push" if record == "exp" else "git pull --rebase && git push"
+                done.append(f"NOT pushed to the git remote {remotes[0]} ({_first_line(err)}): `{how}` when ready")
     return ", ".join(done)
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    rejected = [line for line in lines if "rejected" in line or "error" in line.lower()]
+    return (rejected or lines or ["failed"])[0][:200]

@@ -130,3 +130,36 @@ def test_sft_leaves_out_over_long_episodes_with_a_count(tiny_model_dir, tmp_path
     assert (manifest["episodes"], manifest["episodes_over_max_tokens"]) == (2, 1)
     with pytest.raises(ValueError, match=r"all 1 SFT episodes are longer than max_tokens=256"):
         sft(tiny_model_dir, tmp_path / "none", [long], config)
+
+
+def test_a_rejected_push_keeps_the_recorded_lineage_and_says_how_to_push(tmp_path, monkeypatch) -> None:
+    """The main job's last step commits dvc.lock and may push it: a git remote that moved on (or refuses) must not
+    fail a run whose training is done; the answer names what was not pushed."""
+    from tasks.pipeline import version
+
+    def git(cwd, *args: str) -> str:
+        done = subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    remote, work, other = tmp_path / "remote.git", tmp_path / "work", tmp_path / "other"
+    git(tmp_path, "init", "-q", "--bare", str(remote))
+    git(tmp_path, "clone", "-q", str(remote), str(work))
+    for name in ("params.yaml", "dvc.yaml", "phases.yaml", "dvc.lock"):
+        (work / name).write_text("{}\n")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=work, check=True)
+    git(work, "add", "-A")
+    git(work, "commit", "-qm", "start")
+    git(work, "push", "-q", "origin", "HEAD")
+    git(tmp_path, "clone", "-q", str(remote), str(other))  # someone else pushes first
+    (other / "README").write_text("x")
+    git(other, "add", "-A")
+    git(other, "commit", "-qm", "theirs")
+    git(other, "push", "-q", "origin", "HEAD")
+    (work / "dvc.lock").write_text("stages: {}\n")  # this run's lineage
+    monkeypatch.setenv("SCALINGINTER_ROOT", str(work))
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")  # dvc and git, as make runs
+    said = version.fn("scalinginter babyai (smoke): 1 phases", "commit", True)
+    assert "committed" in said and "NOT pushed to the git remote origin" in said and "git pull --rebase" in said
+    assert "scalinginter babyai" in git(work, "log", "-1", "--format=%s")  # the lineage is recorded here
