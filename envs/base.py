@@ -131,5 +131,9 @@ class Backend(abc.ABC):
             valid = f"0..{n - 1}" if n is not None else ">= 0"
             raise DataIndexError(f"data_idx {data_idx} is out of range for {self.name}: valid {valid}")
 
+    def problem(self) -> str | None:
+        """What keeps the backend from serving (a helper process that died, ...), for ``/health``; None if fine."""
+        return None
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release shared resources when the server stops."""

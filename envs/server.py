@@ -232,9 +232,11 @@ def create_app(
         return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
+    def health() -> JSONResponse:
+        problem = backend.problem()
+        return JSONResponse({
+            "status": "ok" if problem is None else "unhealthy",
+            **({"problem": problem} if problem else {}),
             "env": backend.name,
             "pid": os.getpid(),
             "instances": len(table),
@@ -242,7 +244,7 @@ def create_app(
             "reaped": table.reaped,
             "num_items": backend.num_items,
             "capacity": backend.capacity,
-        }
+        }, 200 if problem is None else 503)
 
     @app.post("/create")
     async def create(request: Request) -> dict[str, Any]:

@@ -184,3 +184,26 @@ def test_fuzzed_requests_get_no_undocumented_5xx(env: str, env_server) -> None:
 
         fuzz()
         assert http.get("/health").json()["status"] == "ok"
+
+
+def test_deep_search_survives_a_long_query_and_a_dead_retriever() -> None:
+    """A query over the retriever's 2,000 characters is cut, not a 502; a retriever that died shows in /health
+    (503, reaped, no zombie) and the next search restarts it."""
+    import psutil
+
+    with running_server("deepsearch") as url, httpx.Client(base_url=url, timeout=120) as http:
+        idx = _new(http, 0)
+        long = http.post("/step", json={"id": idx, "action": f"<search>{'capital city ' * 300}</search>"})
+        assert long.status_code == 200 and long.json()["observation"].startswith("<information>")
+        server = psutil.Process(http.get("/health").json()["pid"])
+        (retriever,) = [p for p in server.children() if "envs.deepsearch.retriever" in " ".join(p.cmdline())]
+        retriever.kill()
+        deadline = time.monotonic() + 30
+        while (health := http.get("/health")).status_code == 200:  # until the server sees its child exited
+            assert time.monotonic() < deadline, "/health still says ok 30 s after the retriever was killed"
+            time.sleep(0.1)
+        assert health.status_code == 503 and "the retriever" in health.json()["problem"]
+        assert not psutil.pid_exists(retriever.pid)  # reaped, not a zombie
+        again = http.post("/step", json={"id": idx, "action": "<search>capital city</search>"})
+        assert again.status_code == 200 and again.json()["observation"].startswith("<information>")
+        assert http.get("/health").status_code == 200

@@ -16,8 +16,11 @@ the sub-task; default: the generated world's questions).
 
 from __future__ import annotations
 
+import logging
 import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,6 +41,10 @@ def first_tag(text: str, tag: str) -> tuple[int, str] | None:
 ACTIONS = ["<search> your query </search>", "<answer> your answer </answer>"]
 FORMAT_HELP = ("Invalid action: write <search> query </search> to search, or <answer> answer </answer> to "
                "answer.")
+
+
+MAX_QUERY_CHARS = 2000  # what the retriever takes (envs/deepsearch/retriever.py)
+log = logging.getLogger(__name__)
 
 
 class RetrieverError(EnvError):
@@ -126,6 +133,8 @@ class Backend(BaseBackend):
         self.topk = int(topk)
         self.questions = load_flashrag([p for p in qa.split(",") if p]) if qa else default_world().questions
         self._proc: subprocess.Popen | None = None
+        self.method, self.corpus, self.restarts = method, corpus, 0
+        self._restart_lock = threading.Lock()
         if retriever_url is None:
             retriever_url, self._proc = start_retriever(method, corpus)
         self.retriever_url = retriever_url.rstrip("/")
@@ -143,15 +152,50 @@ class Backend(BaseBackend):
         return DeepSearchEnv(self)
 
     def information(self, query: str) -> str:
-        """The top-k documents for ``query`` in Search-R1's ``<information>`` format."""
+        """The top-k documents for ``query`` in Search-R1's ``<information>`` format. A query longer than the
+        retriever takes is cut (the agent's doing, not a server failure); a retriever this backend started that
+        has died is restarted once."""
+        query, proc = query[:MAX_QUERY_CHARS], self._proc
+        try:
+            hits = self._retrieve(query)
+        except RetrieverError:
+            if not self._restart_if_dead(proc):
+                raise
+            hits = self._retrieve(query)
+        docs = "\n".join(f"Doc {i}(Title: {hit['title']}) {hit['text']}" for i, hit in enumerate(hits, 1))
+        return f"<information>{docs}</information>"
+
+    def _retrieve(self, query: str) -> list[dict[str, Any]]:
         try:
             response = self.http.post("/retrieve", json={"queries": [query], "topk": self.topk})
             response.raise_for_status()
-            hits = response.json()["result"][0]
+            return response.json()["result"][0]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
             raise RetrieverError(f"retriever at {self.retriever_url} failed: {err}") from err
-        docs = "\n".join(f"Doc {i}(Title: {hit['title']}) {hit['text']}" for i, hit in enumerate(hits, 1))
-        return f"<information>{docs}</information>"
+
+    def _restart_if_dead(self, failed: subprocess.Popen | None) -> bool:
+        """Restart the retriever this backend started if ``failed`` (its process when the request failed) has exited,
+        reaping it; whether a retry may succeed."""
+        with self._restart_lock:
+            if failed is None:  # an outside retriever: not ours to restart
+                return False
+            if self._proc is not failed:  # another thread restarted it meanwhile
+                return True
+            if failed.poll() is None:  # alive: a real failure
+                return False
+            log.warning("the retriever (pid %d) exited with %s: restarting it", self._proc.pid, self._proc.returncode)
+            url, self._proc = start_retriever(self.method, self.corpus)
+            self.retriever_url = url.rstrip("/")
+            self.http.close()
+            self.http = httpx.Client(base_url=self.retriever_url, timeout=60.0)
+            self.restarts += 1
+            return True
+
+    def problem(self) -> str | None:
+        if self._proc is not None and self._proc.poll() is not None:
+            return (f"the retriever (pid {self._proc.pid}) exited with {self._proc.returncode}; the next search "
+                    "restarts it")
+        return None
 
     def shutdown(self) -> None:
         self.http.close()
