@@ -163,3 +163,48 @@ def test_a_rejected_push_keeps_the_recorded_lineage_and_says_how_to_push(tmp_pat
     said = version.fn("scalinginter babyai (smoke): 1 phases", "commit", True)
     assert "committed" in said and "NOT pushed to the git remote origin" in said and "git pull --rebase" in said
     assert "scalinginter babyai" in git(work, "log", "-1", "--format=%s")  # the lineage is recorded here
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_resume_ends_bitwise_equal(tiny_model_dir, tmp_path) -> None:
+    """SIGKILL at seeded random moments of a phase (mid-rollout, mid-update, mid-checkpoint or mid-log-write, as
+    chance has it), resumed each time until it finishes: the same weights as an uninterrupted run, each step
+    logged once, no staging folder left."""
+    import random
+
+    from tests.test_trainer import FAST, _weights
+
+    with running_server_for_kills() as url:
+        def cmd(out) -> list[str]:
+            return [sys.executable, "-m", "flows.cli", "train-phase", "babyai", "--phase", "0", "--h", "2", "--steps",
+                    "4", "--init", str(tiny_model_dir), "--out", str(out), "--url", url, *FAST]
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        started = time.monotonic()
+        subprocess.run(cmd(tmp_path / "whole"), cwd=ROOT, env=env, check=True, capture_output=True)
+        whole_s = time.monotonic() - started
+        for seed in range(3):
+            out, rng, kills = tmp_path / f"killed-{seed}", random.Random(seed), 0
+            while not (out / "final" / MANIFEST).exists():
+                proc = subprocess.Popen(cmd(out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+                if kills < 3:
+                    try:
+                        proc.wait(timeout=rng.uniform(0.3, 1.0) * whole_s)
+                    except subprocess.TimeoutExpired:
+                        proc.send_signal(signal.SIGKILL)
+                        kills += 1
+                assert proc.wait(timeout=600) in (0, -signal.SIGKILL)
+            assert kills >= 1
+            assert _weights(out / "final") == _weights(tmp_path / "whole" / "final"), f"seed {seed}"
+            for step in range(4):
+                lines = (out / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()
+                assert len(lines) == 4, f"seed {seed}, step {step}: {len(lines)} records"
+            assert not list(out.rglob(".tmp-*")) and not list(out.rglob(".old-*"))
+
+
+def running_server_for_kills():
+    """Its own BabyAI server: killed runs leave their episodes open until reaped."""
+    from envs.launcher import running_server
+
+    return running_server("babyai", idle_ttl_s=30)
