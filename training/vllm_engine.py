@@ -90,8 +90,9 @@ def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) 
     try:
         wait_healthy(url, proc, config.startup_timeout_s)
     except BaseException as err:
-        stop_vllm(proc)
         tail = Path(log.name).read_text(errors="replace")[-3000:]
+        proc.log_path = None  # type: ignore[attr-defined]  # kept: the error names it
+        stop_vllm(proc)
         raise EngineError(f"the vLLM server for {model_dir} did not come up ({err}); its log {log.name} ends:\n"
                           f"{tail}") from err
     return url, proc
@@ -107,6 +108,9 @@ def stop_vllm(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive the API server
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    log = getattr(proc, "log_path", None)
+    if log and proc.returncode in (0, -signal.SIGINT, -signal.SIGKILL):  # a server that failed keeps its log
+        Path(log).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
