@@ -44,13 +44,14 @@ def _play(env: str, url: str, http: httpx.Client, i: int) -> list[str]:
 @pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
 def test_64_concurrent_episodes_do_not_cross_talk(env: str, env_server) -> None:
     url = env_server(env)
+    live = httpx.get(f"{url}/health").json()["instances"]  # a worker's tests share the server
     with httpx.Client(base_url=url, timeout=120.0, limits=httpx.Limits(max_connections=EPISODES)) as http:
         serial = [_play(env, url, http, i) for i in range(EPISODES)]
         with ThreadPoolExecutor(EPISODES) as pool:
             concurrent = list(pool.map(lambda i: _play(env, url, http, i), range(EPISODES)))
     assert concurrent == serial
     assert len({tuple(s) for s in serial}) > EPISODES // 2  # the episodes really differ from each other
-    assert httpx.get(f"{url}/health").json()["instances"] == 0
+    assert httpx.get(f"{url}/health").json()["instances"] == live
 
 
 @pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", pytest.param("sciworld", marks=pytest.mark.jvm)])

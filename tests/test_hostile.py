@@ -18,6 +18,23 @@ from envs.launcher import running_server
 from envs.webarena.browser import bracketed
 
 
+@pytest.fixture(scope="module")
+def own_server():
+    """``own_server(env)``: servers of this module only. Hostile requests leave instances open (a fuzzed
+    /create is never closed), which must not reach the servers other tests share and count."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+
+        def get(env: str) -> str:
+            if env not in urls:
+                urls[env] = stack.enter_context(running_server(env))
+            return urls[env]
+
+        yield get
+
+
 def _new(http: httpx.Client, data_idx: int = 1) -> int:
     idx = http.post("/create").json()["id"]
     assert http.post("/reset", json={"id": idx, "data_idx": data_idx}).status_code == 200
@@ -25,8 +42,8 @@ def _new(http: httpx.Client, data_idx: int = 1) -> int:
 
 
 @pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
-def test_a_lone_surrogate_is_422_and_leaves_the_instance_usable(env: str, env_server) -> None:
-    with httpx.Client(base_url=env_server(env), timeout=60) as http:
+def test_a_lone_surrogate_is_422_and_leaves_the_instance_usable(env: str, own_server) -> None:
+    with httpx.Client(base_url=own_server(env), timeout=60) as http:
         idx, other = _new(http), _new(http)
         for body in (b'{"id": %d, "action": "\\ud800"}' % idx, b'{"id": %d, "action": "\xed\xa0\x80"}' % idx):
             answer = http.post("/step", content=body, headers={"content-type": "application/json"})
@@ -40,22 +57,22 @@ def test_a_lone_surrogate_is_422_and_leaves_the_instance_usable(env: str, env_se
 
 
 @pytest.mark.parametrize("path", ["/create", "/step", "/reset", "/step_batch"])
-def test_deeply_nested_json_is_422_not_500(path: str, env_server) -> None:
-    with httpx.Client(base_url=env_server("babyai"), timeout=60) as http:
+def test_deeply_nested_json_is_422_not_500(path: str, own_server) -> None:
+    with httpx.Client(base_url=own_server("babyai"), timeout=60) as http:
         answer = http.post(path, content=b"[" * 100_000, headers={"content-type": "application/json"})
         assert answer.status_code == 422, answer.text
         assert http.get("/health").status_code == 200
 
 
-def test_a_textcraft_count_of_thousands_of_digits_is_a_format_message(env_server) -> None:
-    with httpx.Client(base_url=env_server("textcraft"), timeout=60) as http:
+def test_a_textcraft_count_of_thousands_of_digits_is_a_format_message(own_server) -> None:
+    with httpx.Client(base_url=own_server("textcraft"), timeout=60) as http:
         idx = _new(http, 0)
         answer = http.post("/step", json={"id": idx, "action": f"get {'1' * 4400} oak log"})
         assert answer.status_code == 200 and "Wrong item format" in answer.json()["observation"]
 
 
-def test_deep_search_tags_without_an_end_are_parsed_in_one_pass(env_server) -> None:
-    with httpx.Client(base_url=env_server("deepsearch"), timeout=120) as http:
+def test_deep_search_tags_without_an_end_are_parsed_in_one_pass(own_server) -> None:
+    with httpx.Client(base_url=own_server("deepsearch"), timeout=120) as http:
         idx = _new(http, 0)
         answer = http.post("/step", json={"id": idx, "action": "<answer>" * 120_000})  # ~1 MB: hours, quadratic
         assert answer.status_code == 200 and "Invalid action" in answer.json()["observation"]
@@ -110,8 +127,8 @@ def test_an_unexpected_error_is_a_json_500_that_does_not_escape_to_the_server() 
     assert answer.json()["detail"] == "toy environment error: RuntimeError: simulator exploded"
 
 
-def test_create_names_agentgyms_custom_task_fields_it_does_not_take(env_server) -> None:
-    with httpx.Client(base_url=env_server("textcraft"), timeout=60) as http:
+def test_create_names_agentgyms_custom_task_fields_it_does_not_take(own_server) -> None:
+    with httpx.Client(base_url=own_server("textcraft"), timeout=60) as http:
         refused = http.post("/create", json={"commands": "craft 1 stick using 2 oak planks", "goal": "stick"})
         assert refused.status_code == 422 and "does not take commands or goal" in refused.json()["detail"]
         plain = http.post("/create", json={"commands": None, "goal": None, "minecraft_dir": "crafting_recipes/"})
@@ -119,11 +136,11 @@ def test_create_names_agentgyms_custom_task_fields_it_does_not_take(env_server) 
 
 
 @pytest.mark.browser
-def test_the_browser_reaches_only_the_environments_sites(env_server) -> None:
+def test_the_browser_reaches_only_the_environments_sites(own_server, env_server) -> None:
     """WebArena in real Chromium: goto refuses file://, other localhost ports and other hosts; and the context's
     route filter refuses any other request a page makes (scripts, links, forms), not only goto."""
-    other = env_server("babyai")  # another server on this machine, which the agent must not reach
-    with httpx.Client(base_url=env_server("webarena"), timeout=120) as http:
+    other = own_server("babyai")  # another server on this machine, which the agent must not reach
+    with httpx.Client(base_url=env_server("webarena"), timeout=120) as http:  # closes what it opens
         idx = http.post("/create").json()["env_idx"]
         assert http.post("/reset", json={"env_idx": idx, "idx": 0}).status_code == 200
         for url in ("file:///etc/passwd", f"{other}/health", "http://169.254.169.254/latest/meta-data/"):
@@ -164,10 +181,10 @@ _PATHS = st.sampled_from(["/create", "/reset", "/step", "/step_batch", "/close",
 
 
 @pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
-def test_fuzzed_requests_get_no_undocumented_5xx(env: str, env_server) -> None:
+def test_fuzzed_requests_get_no_undocumented_5xx(env: str, own_server) -> None:
     """Property-based fuzzing of every endpoint with arbitrary JSON (surrogates, huge ints, wrong shapes) and
     ids that exist: every answer is a documented status (5xx only as 502/503), and the server stays healthy."""
-    with httpx.Client(base_url=env_server(env), timeout=60) as http:
+    with httpx.Client(base_url=own_server(env), timeout=60) as http:
         live = [_new(http) for _ in range(2)]
 
         @settings(max_examples=150, deadline=None)

@@ -32,6 +32,7 @@ def _items(env: str, n: int) -> list[str]:
 def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_server, tiny_policy) -> None:
     h = curriculum_config(env, "smoke").phases()[0].h
     url = env_server(env)
+    live = _live(url)  # the server is shared by a worker's tests: this one must close what it opened
     config = RolloutConfig(n_samples=2, max_new_tokens=24, context_budget=4096, seed=1)
     items = _items(env, 2 if env == "sciworld" else 3)  # the session's SciWorld server holds 4 JVMs
     result = Rollout(env, url, _engine(tiny_policy), tiny_policy[1], config).run(items, h=h)
@@ -42,7 +43,7 @@ def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_serve
         assert len(t.input_ids) == len(t.loss_mask) == len(t.logprobs)
         assert sum(t.loss_mask) > 0 and all(lp <= 0 for lp in t.logprobs)
     assert result.stats["rollout/trajectories"] == 2 * len(items) and result.generated_tokens > 0
-    assert httpx.get(f"{url}/health").json()["instances"] == 0
+    assert _live(url) == live
 
 
 def _expert_replies(env: str, data_idx: int) -> tuple[list[str], float]:
@@ -166,10 +167,11 @@ def test_every_instance_is_closed_when_the_engine_fails(env_server, tiny_policy)
 
     model, tokenizer = tiny_policy
     engine = Failing(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    live = _live(url)
     with pytest.raises(_Boom):
         Rollout("babyai", url, engine, tokenizer, RolloutConfig(n_samples=3, max_new_tokens=8)).run(
             _items("babyai", 2), h=5)
-    assert httpx.get(f"{url}/health").json()["instances"] == 0
+    assert _live(url) == live
 
 
 def test_a_dead_server_marks_trajectories_invalid_not_zero(tiny_policy) -> None:
@@ -199,10 +201,11 @@ def test_a_dead_server_marks_trajectories_invalid_not_zero(tiny_policy) -> None:
 def test_bad_item_ids_fail_loudly(env_server, tiny_policy) -> None:
     from envs.client import EnvServerError
 
+    live = _live(env_server("textcraft"))
     with pytest.raises(EnvServerError, match="out of range"):
         Rollout("textcraft", env_server("textcraft"), _engine(tiny_policy), tiny_policy[1],
                 RolloutConfig()).run(["textcraft_9999"], h=1)
-    assert httpx.get(f"{env_server('textcraft')}/health").json()["instances"] == 0
+    assert _live(env_server("textcraft")) == live
 
 
 def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tmp_path) -> None:
@@ -221,3 +224,8 @@ def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tm
         assert row["termination"] == t.termination and row["turns"] == len(t.turns) == len(row["turn_records"])
         assert row["agent_tokens"] == sum(t.loss_mask) > 0
         assert row["conversation"][0]["role"] == "user" and row["reward"] == t.reward
+
+
+def _live(url: str) -> int:
+    """Live instances on a server (shared by a worker's tests, so tests compare before and after)."""
+    return int(httpx.get(f"{url}/health").json()["instances"])
