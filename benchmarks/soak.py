@@ -1,0 +1,84 @@
+"""Soak: continuous episodes against one environment server for a while; the server's RSS, open files and
+threads sampled as it goes, so a leak shows as a slope.
+
+    python benchmarks/soak.py --env babyai --minutes 30 [--episodes 16] [--every 30]
+
+``--episodes`` episodes run at once, each created, reset on a random item, stepped with the environment's
+own example actions (``/available_actions``, or a fixed reply) up to 10 turns, then closed, and again,
+through ``step_many`` (one ``/step_batch`` per round), as a rollout does. Prints one JSON line per sample and
+a summary: growth after warm-up (the first sample after one minute) for RSS (MB), open files and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REPLIES = {"babyai": "Thought: go.\nAction: go forward", "textcraft": "Thought: look.\nAction: inventory",
+           "deepsearch": "<search>capital city</search>", "sciworld": "Thought: look.\nAction: look around"}
+
+
+def main() -> None:
+    from envs.client import step_many
+    from envs.launcher import running_server
+    from envs.registry import client_class
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="babyai", choices=sorted(REPLIES))
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with running_server(args.env) as url:
+        import httpx
+
+        health = httpx.get(f"{url}/health").json()
+        server, items = psutil.Process(health["pid"]), int(health["num_items"])
+        started = next_sample = time.monotonic()
+        samples, episodes, steps = [], 0, 0
+        while time.monotonic() - started < args.minutes * 60:
+            clients = [client_class(args.env)(url) for _ in range(args.episodes)]
+            for client in clients:
+                client.reset(rng.randrange(items))
+            for _ in range(10):
+                live = [c for c in clients if not getattr(c, "done", False)]
+                if not live:
+                    break
+                outs = step_many(live, [REPLIES[args.env]] * len(live), partial=True)
+                steps += len(outs)
+                for client, out in zip(live, outs, strict=True):
+                    client.done = out.done or bool(out.error)
+            for client in clients:
+                client.close()
+            episodes += len(clients)
+            if time.monotonic() >= next_sample:
+                tree = [server, *server.children(recursive=True)]
+                sample = {"t_s": round(time.monotonic() - started), "episodes": episodes, "steps": steps,
+                          "rss_mb": round(sum(p.memory_info().rss for p in tree) / 2**20, 1),
+                          "open_files": sum(len(p.open_files()) + len(p.net_connections()) for p in tree),
+                          "threads": sum(p.num_threads() for p in tree),
+                          "instances": httpx.get(f"{url}/health").json()["instances"]}
+                samples.append(sample)
+                print(json.dumps(sample), flush=True)
+                next_sample += args.every
+        warm = next((s for s in samples if s["t_s"] >= 60), samples[0])
+        last = samples[-1]
+        print(json.dumps({"env": args.env, "minutes": args.minutes, "episodes": episodes, "steps": steps,
+                          "rss_growth_mb": round(last["rss_mb"] - warm["rss_mb"], 1),
+                          "open_files_growth": last["open_files"] - warm["open_files"],
+                          "threads_growth": last["threads"] - warm["threads"],
+                          "instances_left": last["instances"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
