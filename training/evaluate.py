@@ -91,10 +91,9 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
     if policy_url is None:
         engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     else:
-        from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence
+        from training.vllm_engine import WeightSync
 
-        sync = WeightSync(VLLMEngine(policy_url, tokenizer.eos_token_id), probe_sequence(tokenizer), probe_tolerance)
-        sync.push(model, 0, folder=Path(model_dir))
+        sync = WeightSync.serving(policy_url, tokenizer, model, Path(model_dir), tolerance=probe_tolerance)
         engine = sync.engine
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)

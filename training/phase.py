@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 
 from envs.launcher import running_server
+from training.checkpoint import MANIFEST
 from training.config import PhaseSpec
 from training.trainer import train_phase
 
@@ -22,7 +23,7 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
     interrupted phase; returns its final checkpoint folder."""
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_server(spec.env, **spec.server.launch_kwargs()))
-        if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / "manifest.json").exists():
+        if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / MANIFEST).exists():
             from training.vllm_engine import running_vllm
 
             length = spec.policy_server.max_len(spec.train.context_budget, spec.train.max_new_tokens)

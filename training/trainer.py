@@ -171,16 +171,18 @@ class PhaseTrainer:
         self.sync = None
         engine: PolicyEngine
         if config.engine == "vllm":
-            from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence
+            from training.vllm_engine import VLLMEngine, WeightSync
 
             if policy_url is None:
                 raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
-            engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
             if self.strategy.rank == 0:  # every rank samples from the one server; rank 0 keeps it in sync
-                self.sync = WeightSync(engine, probe_sequence(self.tokenizer), probe_tolerance)
                 # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very
                 # checkpoint this run starts from, the resumed one included, verified before the first rollout
-                self.sync.push(self.model, self.global_step, folder=source)
+                self.sync = WeightSync.serving(policy_url, self.tokenizer, self.model, source, self.global_step,
+                                               probe_tolerance)
+                engine = self.sync.engine
+            else:
+                engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
             self.strategy.barrier()
         else:
             engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
@@ -266,7 +268,7 @@ class PhaseTrainer:
         t0 = time.perf_counter()
         self.model.eval()
         items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
-        stats = self._sync_policy(step)
+        stats = self._sync_policy()
         result = self._rollout(items, step)
         if cfg.log_rollouts and self.leader:
             served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
@@ -319,7 +321,7 @@ class PhaseTrainer:
                 f"{self.rollout.url} is failing. The phase stops; rerun it to resume from its last checkpoint")
         return result
 
-    def _sync_policy(self, step: int) -> dict[str, float]:
+    def _sync_policy(self) -> dict[str, float]:
         """vllm engine: push the actor's weights to the server if an update changed them (rank 0; the other ranks
         wait for it); the served version."""
         if self.config.engine != "vllm":

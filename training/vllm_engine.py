@@ -219,13 +219,14 @@ def weights_hash(folder: Path) -> str:
 @torch.no_grad()
 def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
     """The trainer's log-probs (temperature 1, the model's own precision) of ``ids[1:]``."""
-    device = next(model.parameters()).device
+    from training.losses import token_logprobs
+
+    tensor = torch.tensor([ids], device=next(model.parameters()).device)
     was_training = model.training
     model.eval()
-    logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    logprobs = token_logprobs(model(tensor).logits, tensor)[0, 1:]
     model.train(was_training)
-    target = torch.tensor(ids[1:], device=device).unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, target).squeeze(-1).tolist()
+    return logprobs.tolist()
 
 
 def probe_sequence(tokenizer: Any) -> list[int]:
@@ -260,6 +261,14 @@ class WeightSync:
         self.workdir = Path(tempfile.mkdtemp(prefix="scalinginter-sync-"))
         self.version: WeightVersion | None = None
         self.syncs = 0
+
+    @classmethod
+    def serving(cls, url: str, tokenizer: Any, model: torch.nn.Module, folder: Path, step: int = 0,
+                tolerance: float = 1e-3) -> WeightSync:
+        """A sync with the server at ``url`` that already serves ``folder`` (``model``'s checkpoint), verified."""
+        sync = cls(VLLMEngine(url, tokenizer.eos_token_id), probe_sequence(tokenizer), tolerance)
+        sync.push(model, step, folder=folder)
+        return sync
 
     def verify(self, model: torch.nn.Module) -> float:
         """Max abs difference between the server's and ``model``'s probe log-probs; an error above tolerance."""
