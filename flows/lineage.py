@@ -33,14 +33,21 @@ class PhaseRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     cost: dict[str, float] = field(default_factory=dict)
     curriculum: dict[str, Any] = field(default_factory=dict)  # trained steps; an adaptive phase's early advance
+    guard: list[dict[str, Any]] = field(default_factory=list)  # the collapse guard's trips (training/guard.py)
 
     @property
     def trained(self) -> str:
-        """Steps trained, with the reason when an adaptive phase advanced early ("2 of 4: ...")."""
+        """Steps trained, with the reason when an adaptive phase advanced early ("2 of 4: ...") and each trip of
+        the collapse guard ("guard: actor/kl=3.2 at step 5, back to 4, lr x0.1")."""
         done = self.curriculum.get("trained_steps", self.steps)
         budget = self.curriculum.get("budget", self.steps)
         reason = self.curriculum.get("advanced_early")
-        return f"{done} of {budget}: {reason}" if reason else str(done)
+        text = f"{done} of {budget}: {reason}" if reason else str(done)
+        for e in self.guard:
+            then = f"lr x{e['lr_scale']:g}" if e["action"] == "lower_lr" else "phase ended"
+            text += (f"; guard: {e['signal']}={e['value']:.3g} at step {e['step']}, back to "
+                     f"{e['rolled_back_to']}, {then}")
+        return text
 
 
 def _git_revision(root: Path) -> str:
@@ -80,7 +87,7 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
             continue
         record = PhaseRecord(name, manifest["h"], manifest["steps"], manifest["algorithm"], manifest["parent"],
                              manifest["hash"], _metrics(folder), manifest.get("cost", {}),
-                             manifest.get("curriculum", {}))
+                             manifest.get("curriculum", {}), manifest.get("guard", {}).get("events", []))
         for key in ("h", "steps", "algorithm"):
             seen = getattr(record, key)
             if locked[key] != seen:

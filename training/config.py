@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from envs.paths import project_root
 from training.curriculum import AdaptiveRule, CurriculumConfig
+from training.guard import GuardConfig
 from training.layout import Run, base_model
 
 
@@ -73,6 +74,8 @@ class TrainConfig(BaseModel):
     save_every: int = Field(1, ge=1, description="write an intra-phase checkpoint every N steps")
     keep_checkpoints: int = Field(2, ge=1)
     log_rollouts: bool = True
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="the collapse guard: signals watched per "
+                               "step, and the rollback when one trips (training/guard.py)")
     failed_rollout_retries: int = Field(2, ge=0, description="a step whose every trajectory hit an environment "
                                         "error is rolled out again this many times (backoff 1, 2, 4 ... s), then "
                                         "the phase stops with an error (never a step of made-up zeros)")

@@ -8,7 +8,7 @@ success criterion. Greedy evaluation is temperature 0 with k = 1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ class EvalResult:
 
     success: dict[str, list[bool]]
     reward: dict[str, list[float]]
+    turns: dict[str, list[int]] = field(default_factory=dict)  # per item, per sample: turns taken
+    termination: dict[str, list[str]] = field(default_factory=dict)  # per item, per sample: what ended it
+    generated_tokens: int = 0
 
     @property
     def success_rate(self) -> float:
@@ -105,18 +108,21 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
 
 
 def _collect(rollout: Rollout, item_ids: list[str], h: int, batch_items: int) -> EvalResult:
-    success: dict[str, list[bool]] = {i: [] for i in item_ids}
-    reward: dict[str, list[float]] = {i: [] for i in item_ids}
+    out = EvalResult({i: [] for i in item_ids}, {i: [] for i in item_ids}, {i: [] for i in item_ids},
+                     {i: [] for i in item_ids})
     for start in range(0, len(item_ids), batch_items):  # a batch at a time: servers bound live instances
         result = rollout.run(item_ids[start:start + batch_items], h)
         errors = [t for t in result.trajectories if not t.valid]
         if errors:
             raise RuntimeError(f"{len(errors)} evaluation trajectories hit environment errors "
                                f"(first: {errors[0].error}); evaluation results would be biased")
+        out.generated_tokens += result.generated_tokens
         for t in result.trajectories:
-            success[t.item_id].append(t.success)
-            reward[t.item_id].append(t.reward)
-    return EvalResult(success, reward)
+            out.success[t.item_id].append(t.success)
+            out.reward[t.item_id].append(t.reward)
+            out.turns[t.item_id].append(len(t.turns))
+            out.termination[t.item_id].append(str(t.termination))
+    return out
 
 
 def evaluate_outside(policy_url: str, model: str, tokenizer_dir: Path, env: str, url: str, item_ids: list[str],

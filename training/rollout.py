@@ -224,7 +224,7 @@ class Rollout:
         if out.error is not None:
             t.finish("env_error", out.error)
             return
-        t.turns.append(Turn(text, out.observation, out.reward, out.score, out.done))
+        t.turns.append(Turn(text, out.observation, out.reward, out.score, out.done, malformed=not out.sent))
         t.reward, t.score, t.success = out.reward, out.score, out.success
         if out.done:
             t.finish("done")
@@ -255,6 +255,9 @@ def rollout_stats(result: RolloutResult) -> dict[str, float]:
         stats |= {"reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards), "reward/min": min(rewards),
                   "success/rate": sum(t.success for t in valid) / len(valid),
                   "turns/mean": sum(len(t.turns) for t in valid) / len(valid)}
+        turns = [turn for t in valid for turn in t.turns]
+        if turns:  # the share of replies with no well-formed action (a collapsing policy's first symptom)
+            stats["rollout/invalid_actions"] = sum(turn.malformed for turn in turns) / len(turns)
     stats |= {
         "env/errors": float(ended["env_error"]),
         "rollout/trajectories": float(len(result.trajectories)),

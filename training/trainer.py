@@ -49,6 +49,7 @@ from training.curriculum import AdaptiveRule, adaptive_advance
 from training.devices import autocast, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
+from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.model import load_policy
@@ -150,6 +151,13 @@ class PhaseTrainer:
         self.history: list[list[float]] = [list(r) for r in state.get("adaptive_history", [])] if resume else []
         self.advanced: str | None = None
         self.last_stats: dict[str, float] = {}
+        # the collapse guard: this run's earlier trips (rollbacks) and the signals since the phase began
+        self.identity = {"parent": folder_hash(init_checkpoint), "phase": phase, "h": h, "steps": steps,
+                         "config": config.model_dump()}
+        self.events = read_events(out_dir, self.identity)
+        self.guard = Guard(config.guard, json.loads(state.get("guard_history", "[]")) if resume else None)
+        last = self.events[-1] if self.events else None
+        self.stop_at = last.rolled_back_to if last is not None and last.action == "end_phase" else None
         if resume is not None and manifest is not None:
             self.first_step, self.parent = int(manifest["phase_first_step"]), manifest["parent"]
             self.budget = int(manifest.get("curriculum", {}).get("budget", self.steps))
@@ -212,7 +220,52 @@ class PhaseTrainer:
 
     @property
     def end_step(self) -> int:
-        return self.first_step + self.budget
+        end = self.first_step + self.budget
+        return end if self.stop_at is None else min(end, self.stop_at)
+
+    def _set_lr(self, step: int) -> float:
+        """The configured learning rate, times the guard's factor for each rollback at or before ``step``."""
+        lr = self.config.lr * lr_scale(self.events, step, self.config.guard.lr_factor)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _check_guard(self, step: int, stats: dict[str, float]) -> GuardTrip | None:
+        """The guard's verdict on the step, the same on every rank (any rank's trip stops them all)."""
+        trip = self.guard.check(step, stats)
+        if self.strategy.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(trip is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0 and trip is None:
+                trip = GuardTrip(step, "another rank's signal", float("nan"), float("nan"))
+        return trip
+
+    def roll_back(self, trip: GuardTrip) -> GuardEvent:
+        """After a trip at step t: drop the checkpoints from step t on (their weights sampled or made the bad
+        step), record the event, and leave the newest good checkpoint (or none: the phase's start) to resume."""
+        cfg = self.config.guard
+        folder = self.out_dir / "intermediate"
+        good = [p for p in folder.glob("step-*") if int(p.name[5:]) <= trip.step - 1 and (p / MANIFEST).exists()]
+        target = max((int(p.name[5:]) for p in good), default=self.first_step)
+        if self.leader:
+            for path in folder.glob("step-*"):
+                if int(path.name[5:]) > target or target == self.first_step:
+                    shutil.rmtree(path)
+        lowered = sum(e.action == "lower_lr" for e in self.events)
+        action = "lower_lr" if cfg.action == "lower_lr" and lowered < cfg.max_retries else "end_phase"
+        scale = cfg.lr_factor ** (lowered + (action == "lower_lr"))
+        event = GuardEvent(step=trip.step, signal=trip.signal, value=trip.value, threshold=trip.threshold,
+                           action=action, rolled_back_to=target, lr_scale=scale)
+        self.events.append(event)
+        if self.leader:
+            write_events(self.out_dir, self.identity, self.events)
+        self.strategy.barrier()
+        log.warning("%s phase %d: the collapse guard tripped at step %d (%s); rolled back to step %d and %s",
+                    self.env, self.phase, trip.step, trip, target,
+                    f"goes on at lr x {scale:g}" if action == "lower_lr" else "ends the phase there")
+        return event
 
     def _advance_early(self, stats: dict[str, float]) -> str | None:
         """Adaptive mode: whether the rule says h should grow now (the phase then ends here), and why."""
@@ -235,12 +288,18 @@ class PhaseTrainer:
                      disable=not progress, initial=self.global_step - self.first_step, total=self.budget)
         for step in steps:
             started = time.perf_counter()
+            self._set_lr(step)
             stats = self.train_step(step)
             self.ledger.wall_seconds += time.perf_counter() - started
+            trip = self._check_guard(step, stats)
+            if trip is not None:  # nothing of this step is kept: train_phase rolls back and goes on
+                self.close()
+                raise trip
             self.global_step = step + 1
             self.last_stats = stats
             self.advanced = self._advance_early(stats) if self.global_step < self.end_step else None
             stats |= {"curriculum/h": self.h, "curriculum/phase": self.phase,
+                      "guard/trips": float(len(self.events)),
                       "curriculum/advanced_early": float(self.advanced is not None),
                       "timing_s/total": time.perf_counter() - started}
             if self.metrics is not None:
@@ -254,13 +313,18 @@ class PhaseTrainer:
                 self.save("final" if done else f"intermediate/step-{self.global_step:06d}")
             if done:
                 break
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.sync is not None:
-            self.sync.close()
+        self.close()
         if self.steps == 0 or not (self.out_dir / "final" / MANIFEST).exists():
             self.save("final")
         return self.out_dir / "final"
+
+    def close(self) -> None:
+        """Flush the metrics and let go of the policy server."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.sync is not None:
+            self.sync.close()
 
     def train_step(self, step: int) -> dict[str, float]:
         """Generate, prepare experience, update. Returns the step's metrics."""
@@ -434,6 +498,9 @@ class PhaseTrainer:
             "data_position": self.data.position,
             "rng": {"torch": torch.get_rng_state()},
             "adaptive_history": self.history,
+            # as JSON text: pickling the rows' floats would depend on which objects they share, so a resumed run's
+            # state file would differ in bytes from an uninterrupted one's
+            "guard_history": json.dumps(self.guard.history),
             **({"critic_optimizer": self.critic_optimizer.state_dict()} if self.critic_optimizer else {}),
             "reference": str(self.reference_path),
         }
@@ -447,7 +514,10 @@ class PhaseTrainer:
             "curriculum": {"mode": "adaptive" if self.adaptive else "planned", "planned_steps": self.steps,
                            "budget": self.budget, "trained_steps": self.global_step - self.first_step,
                            "unused_steps": self.end_step - self.global_step if self.advanced else 0,
-                           "advanced_early": self.advanced},
+                           "advanced_early": self.advanced,
+                           "ended_by_guard": self.stop_at is not None},
+            "guard": {"events": [e.model_dump() for e in self.events],
+                      "lr_scale": lr_scale(self.events, self.global_step, self.config.guard.lr_factor)},
         }
 
         def write(tmp: Path) -> None:
@@ -531,8 +601,13 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
         read_manifest(final, verify=True)
         return final
     check_capacity(url, config.batch_items * config.n_samples)
-    return PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
-                        probe_tolerance).run(progress)
+    while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
+        trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
+                               probe_tolerance)
+        try:
+            return trainer.run(progress)
+        except GuardTrip as trip:
+            trainer.roll_back(trip)
 
 
 class EnvironmentFailure(RuntimeError):

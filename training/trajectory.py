@@ -23,6 +23,7 @@ class Turn:
     reward: float
     score: float
     done: bool
+    malformed: bool = False  # the reply held no well-formed action: rejected before the environment saw it
 
 
 @dataclass
