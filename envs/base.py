@@ -60,6 +60,12 @@ class DataIndexError(EnvError):
     status_code = 422
 
 
+class TaskOptionError(EnvError):
+    """A client-supplied task (``/create`` options) that the environment cannot run, with the reason."""
+
+    status_code = 422
+
+
 class EpisodeFinishedError(EnvError):
     """A step on an episode that is already done (or was never reset)."""
 
@@ -94,6 +100,14 @@ class Environment(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most environments hold nothing
         """Free what the instance holds. Called exactly once by the server."""
 
+    def reset_custom(self, **options: str) -> StepResult:
+        """Start a task the client brought (its backend's ``create_options``) instead of one by index."""
+        raise TaskOptionError(f"this environment takes no task options ({', '.join(options)})")
+
+    def view(self, name: str) -> object:
+        """One of its backend's extra read-only ``views`` of the episode (AgentGym's ``GET /<name>?id=``)."""
+        raise KeyError(name)
+
 
 class Backend(abc.ABC):
     """What one server process shares between its instances, plus the task index space."""
@@ -105,6 +119,10 @@ class Backend(abc.ABC):
     id_field: ClassVar[str] = "id"
     #: Steps cost well under a millisecond (pure Python): the server runs them on its event loop.
     fast_steps: ClassVar[bool] = False
+    #: Fields of ``POST /create`` that bring a task of the client's own (``Environment.reset_custom``).
+    create_options: ClassVar[tuple[str, ...]] = ()
+    #: Extra ``GET /<name>?id=`` endpoints AgentGym's server of this environment has (``Environment.view``).
+    views: ClassVar[tuple[str, ...]] = ()
 
     @property
     @abc.abstractmethod

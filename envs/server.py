@@ -256,14 +256,36 @@ def create_app(
                 raise RequestShapeError("the /create body must be empty or a JSON object") from None
             if not isinstance(body, dict):
                 raise RequestShapeError("the /create body must be empty or a JSON object")
-            custom = sorted(k for k in ("commands", "goal") if body.get(k) is not None)
-            if custom:  # AgentGym's TextCraft lets a client bring its own recipes and goal; tasks here come by index
-                raise RequestShapeError(f"/create does not take {' or '.join(custom)}: this server's tasks are its "
-                                        "split's items, chosen by POST /reset {id, data_idx}")
+            custom = {k: v for k, v in body.items() if k in ("commands", "goal") and v is not None}
+            unsupported = sorted(set(custom) - set(backend.create_options))
+            if unsupported:  # AgentGym's TextCraft takes a client's own recipes and goal; the others take none
+                raise RequestShapeError(f"/create does not take {' or '.join(unsupported)} on {backend.name}: its "
+                                        "tasks are its split's items, chosen by POST /reset {id, data_idx}")
+            if custom:
+                return create_custom(custom)
         idx = table.create()
         if not backend.reset_on_create:
             return {"id": idx, backend.id_field: idx}
         return {"id": idx, **reset(ResetBody(id=idx, data_idx=0))}
+
+    def create_custom(options: dict[str, Any]) -> dict[str, Any]:
+        """An instance running the client's own task (all of the backend's create_options, as strings)."""
+        missing = [k for k in backend.create_options if k not in options]
+        wrong = [k for k, v in options.items() if not isinstance(v, str) or not v.strip()]
+        if missing or wrong:
+            raise RequestShapeError(f"a task of your own needs {' and '.join(backend.create_options)} as non-empty "
+                                    f"strings ({', '.join(missing + wrong)} missing or not a string)")
+        if sum(len(v.encode()) for v in options.values()) > MAX_ACTION_BYTES:
+            raise ActionTooLargeError(f"the /create task options exceed {MAX_ACTION_BYTES} bytes")
+        idx = table.create()
+        try:
+            with table.use(idx) as slot:
+                result = slot.env.reset_custom(**options)
+                slot.reset, slot.done = True, result.done
+        except Exception:
+            table.close(idx)  # a refused task leaves no instance behind
+            raise
+        return {"id": idx, **result.to_wire()}
 
     @app.post("/reset")
     def reset(body: ResetBody) -> dict[str, Any]:
@@ -318,6 +340,19 @@ def create_app(
             if not slot.reset:
                 raise NotResetError(f"instance {idx} has no task yet: POST /reset {{id, data_idx}} first")
             return {"id": idx, "available_actions": slot.env.available_actions()}
+
+    def add_view(name: str) -> None:
+        def view(id: Annotated[int, Query(alias="id")] = -1, env_idx: int | None = None) -> dict[str, Any]:
+            idx = _query_id(id, env_idx)
+            with table.use(idx) as slot:
+                if not slot.reset:
+                    raise NotResetError(f"instance {idx} has no task yet: POST /reset {{id, data_idx}} first")
+                return {"id": idx, name: slot.env.view(name)}
+
+        app.get(f"/{name}", name=name)(view)
+
+    for name in backend.views:
+        add_view(name)
 
     @app.post("/close")
     def close(body: IdBody) -> bool:

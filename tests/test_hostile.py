@@ -127,12 +127,38 @@ def test_an_unexpected_error_is_a_json_500_that_does_not_escape_to_the_server() 
     assert answer.json()["detail"] == "toy environment error: RuntimeError: simulator exploded"
 
 
-def test_create_names_agentgyms_custom_task_fields_it_does_not_take(own_server) -> None:
+def test_textcraft_runs_a_clients_own_task_and_answers_agentgyms_extra_endpoints(own_server) -> None:
+    """AgentGym's TextCraft ``/create {commands, goal}``: the client's recipe lines are shown, its goal is checked
+    and played to success; ``/commands``, ``/goal`` and ``/detail`` answer; a goal that is no craftable item is a
+    422 naming it and leaves no instance; environments without task options say so."""
     with httpx.Client(base_url=own_server("textcraft"), timeout=60) as http:
-        refused = http.post("/create", json={"commands": "craft 1 stick using 2 oak planks", "goal": "stick"})
-        assert refused.status_code == 422 and "does not take commands or goal" in refused.json()["detail"]
+        live = http.get("/health").json()["instances"]
+        created = http.post("/create", json={"commands": "craft 4 stick using 2 planks\n", "goal": "minecraft:stick",
+                                             "minecraft_dir": "ignored/"})
+        assert created.status_code == 200, created.text
+        idx = created.json()["id"]
+        assert created.json()["observation"] == "Crafting commands:\ncraft 4 stick using 2 planks\n\nGoal: craft stick."
+        assert http.get("/commands", params={"id": idx}).json()["commands"] == "craft 4 stick using 2 planks"
+        assert http.get("/goal", params={"id": idx}).json()["goal"] == "stick"
+        for action in ("get 1 oak logs", "craft 4 oak planks using 1 oak logs"):
+            assert http.post("/step", json={"id": idx, "action": action}).json()["done"] is False
+        last = http.post("/step", json={"id": idx, "action": "craft 4 stick using 2 oak planks"}).json()
+        assert last["done"] is True and last["reward"] == 1.0
+        detail = http.get("/detail", params={"id": idx}).json()["detail"]
+        assert detail["success"] is True and detail["inventory"] == {"oak planks": 2, "stick": 4}
+        http.post("/close", json={"id": idx})
+        refused = http.post("/create", json={"commands": "craft 1 x using 1 y", "goal": "a flying carpet"})
+        assert refused.status_code == 422 and "'a flying carpet' is not a craftable item" in refused.json()["detail"]
+        half = http.post("/create", json={"goal": "stick"})
+        assert half.status_code == 422 and "commands" in half.json()["detail"]
+        assert http.get("/health").json()["instances"] == live  # the refused tasks left nothing behind
         plain = http.post("/create", json={"commands": None, "goal": None, "minecraft_dir": "crafting_recipes/"})
         assert plain.status_code == 200  # what AgentGym's client sends by default still works
+        http.post("/close", json={"id": plain.json()["id"]})
+    with httpx.Client(base_url=own_server("babyai"), timeout=60) as http:
+        refused = http.post("/create", json={"commands": "x", "goal": "y"})
+        assert refused.status_code == 422 and "does not take commands or goal on babyai" in refused.json()["detail"]
+        assert http.get("/detail", params={"id": 0}).status_code == 404  # BabyAI has no such view
 
 
 @pytest.mark.browser

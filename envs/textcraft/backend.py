@@ -49,6 +49,8 @@ class Backend(base.Backend):
     name = "textcraft"
     fast_steps = True  # microseconds a step: cheaper on the event loop than a thread hop
     reset_on_create = True  # AgentGym's TextCraft /create answers with a reset episode (task 0 here)
+    create_options = ("commands", "goal")  # AgentGym's /create {commands, goal}: a task of the client's own
+    views = ("commands", "goal", "detail")
 
     def __init__(self, recipes_dir: str | None = None, goals_path: str | None = None) -> None:
         self.tree: CraftingTree = load_tree(Path(recipes_dir) if recipes_dir else None)
@@ -71,6 +73,16 @@ class Backend(base.Backend):
         """The frozen goal of ``data_idx`` (raises DataIndexError when out of range)."""
         self.check_index(data_idx)
         return self.goals[data_idx]
+
+    def custom_goal(self, goal: str) -> Goal:
+        """The goal a client names (``dark oak sign``, ``craft dark oak sign.``, ``minecraft:dark_oak_sign``):
+        a craftable item of the tree, or TaskOptionError naming it."""
+        text = " ".join(goal.lower().split()).removeprefix("craft ").rstrip(".").strip()
+        node = self.tree.names.get(display_name(text))
+        if node is None or node not in self.tree.by_output:
+            raise base.TaskOptionError(f"goal {goal[:200]!r} is not a craftable item of this server's recipes "
+                                       "(name it as the observation does, e.g. 'dark oak sign')")
+        return Goal(index=-1, item=node, name=display_name(node), depth=self.tree.depth[node])
 
     def episode_recipes(self, data_idx: int) -> list[str]:
         """The recipe lines shown for ``data_idx``: recipe tree + distractors, shuffled, duplicates dropped."""
@@ -104,6 +116,32 @@ class TextCraftEnv(base.Environment):
         self.success = False
         self.observation = "Crafting commands:\n" + "\n".join(self.commands) + f"\n\nGoal: craft {goal.name}."
         return base.StepResult(self.observation)
+
+    def reset_custom(self, commands: str = "", goal: str = "", **other: str) -> base.StepResult:
+        """AgentGym's ``/create {commands, goal}``: the client's recipe lines are shown as given (one per line) and
+        its goal is checked against the tree; crafting follows this server's recipes, as in the reference."""
+        if other:
+            raise base.TaskOptionError(f"TextCraft takes commands and goal, not {', '.join(other)}")
+        self.goal = self.backend.custom_goal(goal)
+        self.commands = [line.strip() for line in commands.splitlines() if line.strip()]
+        self.inventory = {}
+        self.done, self.success = False, False
+        self.observation = "Crafting commands:\n" + "\n".join(self.commands) + f"\n\nGoal: craft {self.goal.name}."
+        return base.StepResult(self.observation)
+
+    def view(self, name: str) -> object:
+        """``commands``: the recipe lines shown; ``goal``: the goal's name; ``detail``: goal, depth, inventory and
+        the episode's state (what AgentGym's broken /commands, /goal and cached /detail were meant to give)."""
+        assert self.goal is not None
+        if name == "commands":
+            return "\n".join(self.commands)
+        if name == "goal":
+            return self.goal.name
+        if name == "detail":
+            return {"goal": self.goal.name, "depth": self.goal.depth, "data_idx": self.goal.index,
+                    "inventory": {display_name(k): v for k, v in self.inventory.items()}, "done": self.done,
+                    "success": self.success}
+        raise KeyError(name)
 
     def step(self, action: str) -> base.StepResult:
         if self.done or self.goal is None:
