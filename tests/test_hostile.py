@@ -4,6 +4,7 @@ and an unexpected error that keeps the connection open."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -189,9 +190,41 @@ def test_the_browser_reaches_only_the_environments_sites(own_server, env_server)
                                                             f"{other}/health"))
         time.sleep(1)
         assert backend.browser.call(lambda: env._b_page().url).startswith(backend.local_sites[0])
+        # a redirect from an allowed site to another port: the route filter never sees the hop, the egress
+        # proxy does (each hop of a redirect is a request through it)
+        with _redirector(f"{other}/health") as redirector:
+            backend.origins.add(redirector)
+            backend.browser.call(lambda: env._b_page().goto(f"{redirector}/go"))
+            text = backend.browser.call(lambda: env._b_page().content())
+            assert "blocked by the WebArena sandbox" in text and '"status"' not in text, text[:300]
+            assert f"{other}/health" in backend.egress.refused
         env.close()
     finally:
         backend.shutdown()
+
+
+@contextlib.contextmanager
+def _redirector(target: str):
+    """A local site whose every page answers 302 to ``target``; yields its origin."""
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 _JSON = st.recursive(

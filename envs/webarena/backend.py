@@ -37,6 +37,7 @@ from envs.base import Backend as BaseBackend
 from envs.base import CapacityError, EnvError, Environment, EpisodeFinishedError, StepResult
 from envs.paths import project_root
 from envs.webarena.browser import Action, ActionError, BrowserThread, ax_tree, element_center, parse_action
+from envs.webarena.egress import EgressProxy
 from envs.webarena.evaluators import EvaluatorConfigError, evaluate
 
 # The shipped shop and forum run on a free port; observations name them by this host, so the same
@@ -129,10 +130,12 @@ class WebArenaEnv(Environment):
 
     # -- everything below named _b_* runs on the browser thread --
     def _b_open(self) -> None:
-        self.context = self.backend.browser.browser.new_context(viewport={"width": 1280, "height": 720})
+        # the sandbox, twice: the egress proxy (loopback included) refuses every request to another origin, each
+        # hop of a redirect too; the route filter refuses the other schemes (file:, chrome:) before any request
+        self.context = self.backend.browser.browser.new_context(
+            viewport={"width": 1280, "height": 720},
+            proxy={"server": self.backend.egress.url, "bypass": "<-loopback>"})
         self.context.set_default_timeout(self.backend.step_timeout_ms)
-        # the sandbox: every request of every page (links, forms, scripts, new tabs) to another origin than the
-        # environment's sites is refused by the browser itself
         self.context.route("**/*", self._b_route)
         cookies = [{"name": "sandbox", "value": self.sandbox, "url": url} for url in self.backend.local_sites]
         if cookies:
@@ -340,6 +343,9 @@ class Backend(BaseBackend):
         self.http = httpx.Client(timeout=30.0)
         self._lock = threading.Lock()
         self._live: set[str] = set()
+        # every request of the browser, each hop of a redirect included, leaves through this filter
+        self.egress = EgressProxy(self.allowed)
+        self.egress.start()
         self.browser = BrowserThread(chromium)
 
     @property
@@ -402,6 +408,7 @@ class Backend(BaseBackend):
         try:
             self.browser.stop()
         finally:
+            self.egress.stop()
             self.http.close()
             if self._sites_proc is not None:
                 from envs.launcher import stop_server
