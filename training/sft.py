@@ -23,7 +23,7 @@ from envs.corpus import recorded_episode
 from envs.local import local_client
 from envs.registry import spec_class
 from envs.splits import item_index, load_split
-from training.checkpoint import STATE, folder_hash, write_checkpoint
+from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
 from training.config import SFTConfig
 from training.devices import resolve_device
 from training.experience import collate
@@ -71,6 +71,8 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
         progress: bool = False) -> Path:
     """Fine-tune ``init`` on ``conversations``; write an atomic checkpoint to ``out``; return it."""
     device = resolve_device(config.device)
+    if (Path(init) / MANIFEST).exists():  # a checkpoint or a base model written here: verified before it is loaded
+        read_manifest(Path(init), verify=True)
     model, tokenizer = load_policy(init, device)
     examples = [to_trajectory(m, tokenizer, i) for i, m in enumerate(conversations)]
     if not examples:
