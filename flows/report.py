@@ -97,6 +97,16 @@ def _model(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "layers": config.get("num_hidden_layers"), "hidden": config.get("hidden_size")}
 
 
+def _study(root: Path) -> dict[str, Any] | None:
+    """The curriculum study's summary (benchmarks/curriculum_study.py report) and its statement, when run."""
+    folder = root / "docs" / "curriculum-study"
+    summary = _json(folder / "summary.json")
+    if not summary:
+        return None
+    statement = folder / "statement.md"
+    return {**summary, "statement": statement.read_text() if statement.exists() else None}
+
+
 def report_data(envs: list[str], root: Path | None = None) -> dict[str, Any]:
     """Everything the page draws, as plain JSON."""
     root = root or project_root()
@@ -127,7 +137,7 @@ def report_data(envs: list[str], root: Path | None = None) -> dict[str, Any]:
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     return {"profile": profile, "envs": envs, "names": ENV_NAMES, "explorer": explorer,
             "paper": _json(root / "data" / "paper_results.json"), "results": results, "model": _model(params, root),
-            "git": revision.stdout.strip() or None,
+            "git": revision.stdout.strip() or None, "study": _study(root),
             "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
