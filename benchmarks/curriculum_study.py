@@ -98,6 +98,7 @@ def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> Non
     stages = {name: {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
               for name, stage in STAGES.items()}
     (workspace / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (workspace / ".gitignore").write_text("/warm-state/\n")  # the SFT's optimizer state: not the study's record
     subprocess.run(["git", "add", "-A"], cwd=workspace, check=True)
     subprocess.run(["git", "commit", "-q", "-m", "curriculum study workspace"], cwd=workspace, check=True)
 

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 REPLIES = {"babyai": "Thought: go.\nAction: go forward", "textcraft": "Thought: look.\nAction: inventory",
-           "deepsearch": "<search>capital city</search>", "sciworld": "Thought: look.\nAction: look around"}
+           "deepsearch": "<search>capital city</search>", "sciworld": "Thought: look.\nAction: look around",
+           "webarena": "Thought:\nlook further.\n\nAction:\nscroll [down]"}
 
 
 def main() -> None:

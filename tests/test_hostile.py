@@ -239,7 +239,8 @@ _PATHS = st.sampled_from(["/create", "/reset", "/step", "/step_batch", "/close",
                           "/available_actions"])
 
 
-@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch"])
+@pytest.mark.parametrize("env", ["babyai", "textcraft", "deepsearch", "sciworld",
+                                 pytest.param("webarena", marks=pytest.mark.browser)])
 def test_fuzzed_requests_get_no_undocumented_5xx(env: str, own_server) -> None:
     """Property-based fuzzing of every endpoint with arbitrary JSON (surrogates, huge ints, wrong shapes) and
     ids that exist: every answer is a documented status (5xx only as 502/503), and the server stays healthy."""
