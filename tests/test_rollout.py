@@ -39,7 +39,7 @@ def test_tiny_model_rollouts_respect_the_curriculum_turn_cap(env: str, env_serve
     assert len(result.trajectories) == 2 * len(items)
     for t in result.trajectories:
         assert 1 <= len(t.turns) <= h
-        assert t.termination in {"done", "turn_cap", "context_cap"}
+        assert t.termination in {"done", "turn_cap", "context_cap"}  # no budget beyond those was set
         assert len(t.input_ids) == len(t.loss_mask) == len(t.logprobs)
         assert sum(t.loss_mask) > 0 and all(lp <= 0 for lp in t.logprobs)
     assert result.stats["rollout/trajectories"] == 2 * len(items) and result.generated_tokens > 0
@@ -147,6 +147,26 @@ def test_context_budget_stops_a_trajectory(env_server, tiny_policy) -> None:
                      config).run(_items("textcraft", 2), h=20)
     assert {t.termination for t in result.trajectories} == {"context_cap"}
     assert all(len(t.input_ids) <= 900 for t in result.trajectories)
+
+
+def test_token_and_time_budgets_end_trajectories_and_say_so(env_server, tiny_policy) -> None:
+    """Budgets per trajectory beside h and the context clamp: its generated tokens (never passed: a turn that could
+    pass it is not started) and its wall-clock time (checked after each turn); each trajectory records which
+    ended it, and the rollout's metrics count them."""
+    url = env_server("textcraft")
+    tokens = Rollout("textcraft", url, _engine(tiny_policy), tiny_policy[1],
+                     RolloutConfig(n_samples=2, max_new_tokens=16, context_budget=100_000,
+                                   max_trajectory_tokens=40)).run(_items("textcraft", 2), h=20)
+    assert {t.termination for t in tokens.trajectories} <= {"token_cap", "done"}
+    assert any(t.termination == "token_cap" for t in tokens.trajectories)
+    assert all(sum(t.loss_mask) <= 40 for t in tokens.trajectories)
+    assert tokens.stats["rollout/termination/token_cap"] >= 1
+    timed = Rollout("textcraft", url, _engine(tiny_policy), tiny_policy[1],
+                    RolloutConfig(n_samples=2, max_new_tokens=16, context_budget=100_000,
+                                  max_trajectory_seconds=1e-6)).run(_items("textcraft", 2), h=20)
+    assert {t.termination for t in timed.trajectories} <= {"time_cap", "done"}
+    assert all(len(t.turns) == 1 for t in timed.trajectories)
+    assert timed.stats["rollout/termination/time_cap"] >= 1
 
 
 class _Boom(RuntimeError):

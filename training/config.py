@@ -46,6 +46,10 @@ class TrainConfig(BaseModel):
     # rollout
     max_new_tokens: int = Field(48, ge=1)
     context_budget: int = Field(2048, ge=16)
+    max_trajectory_tokens: int | None = Field(None, ge=1, description="generated tokens per trajectory, all its "
+                                              "turns together (None: no bound beyond h and the context clamp)")
+    max_trajectory_seconds: float | None = Field(None, gt=0, description="wall-clock seconds per trajectory from "
+                                                 "its reset, checked after each turn (None: unbounded)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1.0: the full distribution)")
     # update

@@ -3,8 +3,10 @@
 For a batch of item ids x n samples, each trajectory gets its own environment instance. After the
 resets, every round generates one turn for all active trajectories in one engine call, then steps all
 of the round's environments in one ``/step_batch`` request, until every trajectory is done or ``h``
-rounds have passed (the curriculum's turn cap). A trajectory whose next turn would overflow the context
-budget is stopped. Environment failures never become a silent zero reward: transport errors are retried
+rounds have passed (the curriculum's turn cap). Every trajectory has budgets, enforced together and recorded
+as what ended it: the turn cap h, tokens per turn (``max_new_tokens``), the context clamp (a next turn that would
+overflow ``context_budget``: ``context_cap``), its generated tokens (``token_cap``) and its wall-clock time
+since its reset (``time_cap``). Environment failures never become a silent zero reward: transport errors are retried
 with backoff, and a trajectory whose environment still fails is marked ``env_error``, excluded from
 training and counted. Every instance is closed, also on exceptions and cancellation.
 """
@@ -39,6 +41,8 @@ class RolloutConfig:
     n_samples: int = 1
     max_new_tokens: int = 64  # per assistant turn
     context_budget: int = 2048  # a trajectory never grows past this many tokens
+    max_trajectory_tokens: int | None = None  # a trajectory never generates more than this many tokens in all
+    max_trajectory_seconds: float | None = None  # nor runs longer than this (from its reset), checked each turn
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
@@ -191,8 +195,11 @@ class Rollout:
             t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
             t.append_prompt(self.chat.prompt(t.messages))
             t.prompt_length = len(t.input_ids)
+            t.started = time.perf_counter()
             if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
                 t.finish("context_cap")
+            elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
+                t.finish("token_cap")
         return time.perf_counter() - started
 
     def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
@@ -231,8 +238,15 @@ class Rollout:
             return
         piece = self.chat.observation_piece(t.messages, out.observation)
         t.messages.append({"role": "user", "content": out.observation})
-        if len(t.input_ids) + len(piece) + self.config.max_new_tokens > self.config.context_budget:
+        cfg = self.config
+        if len(t.input_ids) + len(piece) + cfg.max_new_tokens > cfg.context_budget:
             t.finish("context_cap")
+            return
+        if cfg.max_trajectory_tokens is not None and sum(t.loss_mask) + cfg.max_new_tokens > cfg.max_trajectory_tokens:
+            t.finish("token_cap")  # its next turn could pass the budget
+            return
+        if cfg.max_trajectory_seconds is not None and time.perf_counter() - t.started > cfg.max_trajectory_seconds:
+            t.finish("time_cap")
             return
         t.append_prompt(piece)
 

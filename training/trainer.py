@@ -197,6 +197,7 @@ class PhaseTrainer:
         self.stale = False  # the actor changed since the server's last sync
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
+            max_trajectory_tokens=config.max_trajectory_tokens, max_trajectory_seconds=config.max_trajectory_seconds,
             temperature=config.temperature, top_p=config.top_p, seed=config.seed))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:

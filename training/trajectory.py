@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Termination = Literal["done", "turn_cap", "context_cap", "env_error"]
-TERMINATIONS: tuple[Termination, ...] = ("done", "turn_cap", "context_cap", "env_error")
+# what ended a trajectory: the task (done), one of its budgets (turn cap h, the context clamp, its generated
+# tokens, its wall-clock time), or its environment failing
+Termination = Literal["done", "turn_cap", "context_cap", "token_cap", "time_cap", "env_error"]
+TERMINATIONS: tuple[Termination, ...] = ("done", "turn_cap", "context_cap", "token_cap", "time_cap", "env_error")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Trajectory:
     success: bool = False
     termination: Termination | None = None
     error: str | None = None
+    started: float = 0.0  # perf_counter at its reset (its wall-clock budget runs from here)
 
     @property
     def valid(self) -> bool:
