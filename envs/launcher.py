@@ -124,3 +124,11 @@ def running_server(env: str, **kwargs: Any) -> Iterator[str]:
         yield url
     finally:
         stop_server(proc)
+
+
+@contextlib.contextmanager
+def running_replicas(env: str, replicas: int = 1, **kwargs: Any) -> Iterator[str]:
+    """``replicas`` servers of ``env`` side by side; yields their URLs comma-separated (what a rollout, ``--url``
+    and SCALINGINTER_ENV_URL take); always stops every one of them."""
+    with contextlib.ExitStack() as stack:
+        yield ",".join(stack.enter_context(running_server(env, **kwargs)) for _ in range(replicas))

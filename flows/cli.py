@@ -246,7 +246,8 @@ def train_phase_cmd(
                                                   "(default: models/<model.preset>)")] = None,
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL (default: start one)")] = None,
+                                            help="environment server URL, or comma-separated replicas "
+                                                 "(default: start env_server.replicas)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable; ad-hoc "
                                                                   "runs only: a pipeline's settings live in "
                                                                   "params.yaml)")] = None,
@@ -465,7 +466,8 @@ def eval_cmd(
     env: EnvArg,
     profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL (default: start one)")] = None,
+                                            help="environment server URL, or comma-separated replicas "
+                                                 "(default: start env_server.replicas)")] = None,
     baseline: Annotated[int | None, typer.Option(help="evaluate the fixed-h baseline run with this h")] = None,
 ) -> None:
     """Evaluate the base model and every phase checkpoint of ENV: Avg@k, Pass@k, success, per sub-task."""
@@ -501,7 +503,8 @@ def eval_outside_cmd(
     tokenizer: Annotated[str, typer.Option(help="folder (or hub id) of the served model's own tokenizer")],
     profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL (default: start one)")] = None,
+                                            help="environment server URL, or comma-separated replicas "
+                                                 "(default: start env_server.replicas)")] = None,
 ) -> None:
     """Evaluate an outside model on ENV with the items and metrics of ``scalinginter eval``. Its API key comes from
     SCALINGINTER_API_KEY (or OPENAI_API_KEY), never from the command line, and is never logged."""

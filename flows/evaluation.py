@@ -16,7 +16,7 @@ from typing import Any
 
 from envs.client import server_capacity
 from envs.files import atomic_write
-from envs.launcher import running_server
+from envs.launcher import running_replicas
 from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import read_manifest
@@ -83,7 +83,7 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     items = stratified_head(load_split(env, "test"), config.items)
     folders = checkpoints(env, profile, root, baseline)
     with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_server(env, **server_config(env, params).launch_kwargs()))
+        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         # k live instances per item; a simulator or browser pool bounds how many items run at once
         capacity = server_capacity(base)
         batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
@@ -124,7 +124,7 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
     items = stratified_head(load_split(env, "test"), config.items)
     key = os.environ.get("SCALINGINTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
     with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_server(env, **server_config(env, params).launch_kwargs()))
+        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         result = evaluate_outside(policy_url, model, tokenizer_dir, env, base, [r["item_id"] for r in items], h=h,
                                   k=config.k, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                                   seed=config.seed, batch_items=config.batch_items,

@@ -70,13 +70,15 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
 
 @flow(name="scalinginter", log_prints=True)
 def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[str, Any] | None = None,
-                 record: Record = "commit", push: bool = True) -> dict[str, Any]:
+                 record: Record = "commit", push: bool = True, env_urls: list[str] | None = None) -> dict[str, Any]:
     """Train ``env``'s whole ScalingInter curriculum under ``profile``; return the phase table.
 
     ``overrides`` sets params.yaml keys (dotted, e.g. ``{"train.smoke.lr": 2e-5}``) before the run, as
     ``dvc exp run -S`` does, so they reach dvc.lock; ``profile`` is ``curriculum.profile``. ``record`` says how
     the lineage is kept (``commit``, ``exp`` or ``none``, see ``tasks.pipeline.version``); ``push`` sends it to
-    the remotes. One run at a time holds the working copy (a second fails at once, naming the holder)."""
+    the remotes. ``env_urls`` (a deployment parameter) are environment servers that already run, replicas on this
+machine or others: the run uses them instead of starting ``env_server.replicas`` of its own. One run at a time
+holds the working copy (a second fails at once, naming the holder)."""
     root = project_root()
     with working_copy_lock(root):
         changed = set_params({"curriculum.profile": profile, **(overrides or {})}, root)
@@ -88,12 +90,16 @@ def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[
                               f"{{'pipeline.envs': [...]}})")
         for path in write_pipeline(root):
             print(f"regenerated {path.name} from params.yaml")
-        return _run(env, profile, params, record, push)
+        return _run(env, profile, params, record, push, env_urls)
 
 
-def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool) -> dict[str, Any]:
+def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool,
+         env_urls: list[str] | None = None) -> dict[str, Any]:
     phases = curriculum_config(env, profile, params).phases()
-    url, pid = provision_env_server(env, server_config(env, params))
+    if env_urls:  # servers that already run (other machines): used as they are, never torn down here
+        url, pids = ",".join(env_urls), []
+    else:
+        url, pids = provision_env_server(env, server_config(env, params))
     policy_url, policy_pid = None, None
     try:
         train, evaluation = train_config(env, profile, params=params), eval_config(env, profile, params)
@@ -113,7 +119,8 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             print(f"{rows[-1]['stage']}: {how.get(rows[-1]['how'], 'up to date')}")
         results = evaluate_run(env, url, policy_url)
     finally:
-        teardown_server(pid)
+        for pid in pids:
+            teardown_server(pid)
         if policy_pid is not None:
             teardown_server(policy_pid)
     report = build_report(env)

@@ -64,11 +64,24 @@ _servers: dict[int, tuple[subprocess.Popen, Callable[[subprocess.Popen], None]]]
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
-def provision_env_server(env: str, server: ServerConfig) -> tuple[str, int]:
-    """Start the environment server (health-checked) with params.yaml's ``env_server``; returns (url, pid)."""
-    url, proc = start_server(env, **server.launch_kwargs())
-    _servers[proc.pid] = (proc, stop_server)
-    return url, proc.pid
+def provision_env_server(env: str, server: ServerConfig) -> tuple[str, list[int]]:
+    """Start ``env_server.replicas`` environment servers (health-checked) with params.yaml's ``env_server``;
+    returns (their URLs comma-separated, their pids)."""
+    kwargs = server.launch_kwargs()
+    replicas = kwargs.pop("replicas")
+    urls, pids = [], []
+    try:
+        for _ in range(replicas):
+            url, proc = start_server(env, **kwargs)
+            _servers[proc.pid] = (proc, stop_server)
+            urls.append(url)
+            pids.append(proc.pid)
+    except BaseException:
+        for pid in pids:
+            proc, stop = _servers.pop(pid)
+            stop(proc)
+        raise
+    return ",".join(urls), pids
 
 
 @task

@@ -3,6 +3,7 @@ experts, determinism, environment failures and cleanup."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -249,3 +250,67 @@ def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tm
 def _live(url: str) -> int:
     """Live instances on a server (shared by a worker's tests, so tests compare before and after)."""
     return int(httpx.get(f"{url}/health").json()["instances"])
+
+
+class _TurnLeft:
+    """A scripted policy whose every reply is a valid action (so each round really steps the servers); calls
+    ``hook`` with the call count before each generation."""
+
+    def __init__(self, tokenizer, hook=lambda calls: None) -> None:
+        self.ids = [*tokenizer("Thought: look around.\nAction: turn left", add_special_tokens=False)["input_ids"],
+                    tokenizer.eos_token_id]
+        self.hook, self.calls = hook, 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        self.hook(self.calls)
+        return [Generation(list(self.ids), [0.0] * len(self.ids), True) for _ in prompts]
+
+
+def test_replicas_share_the_trajectories_and_a_killed_one_loses_none(tiny_policy) -> None:
+    """Two BabyAI servers: the trajectories are spread by capacity and are exactly those of one server (same
+    items, a policy that always acts); one SIGKILLed after the first round: its trajectories are rolled out again
+    on the other, every trajectory is accounted for (valid, the lost attempts counted), none a silent zero."""
+    tokenizer = tiny_policy[1]
+    items = _items("babyai", 4)
+    config = RolloutConfig(n_samples=2, max_new_tokens=12, seed=3, retries=1, backoff_s=0.05)
+    with running_server("babyai") as first, running_server("babyai") as second:
+        single = Rollout("babyai", first, _TurnLeft(tokenizer), tokenizer, config).run(items, h=3)
+        shared = Rollout("babyai", [first, second], _TurnLeft(tokenizer), tokenizer, config).run(items, h=3)
+        assert sorted(t.server for t in shared.trajectories) == [0] * 4 + [1] * 4
+        assert [t.input_ids for t in shared.trajectories] == [t.input_ids for t in single.trajectories]
+        assert all(len(t.turns) == 3 or t.termination == "done" for t in shared.trajectories)
+        assert shared.stats["env/failed_attempts"] == 0
+
+        victim = httpx.get(f"{second}/health").json()["pid"]
+        engine = _TurnLeft(tokenizer, hook=lambda calls: os.kill(victim, signal.SIGKILL) if calls == 2 else None)
+        rollout = Rollout("babyai", [first, second], engine, tokenizer, config)
+        result = rollout.run(items, h=3)
+        assert rollout.dead == {1}
+        assert len(result.trajectories) == 8 and all(t.valid for t in result.trajectories)
+        assert all(t.server == 0 for t in result.trajectories)
+        assert len(result.failed_attempts) == 4 and result.stats["env/failed_attempts"] == 4
+        assert all(t.termination == "env_error" for t in result.failed_attempts)
+        assert sorted((t.group, t.sample) for t in result.trajectories) == [(g, s) for g in range(4) for s in range(2)]
+        assert [t.input_ids for t in result.trajectories] == [t.input_ids for t in single.trajectories]
+        assert httpx.get(f"{first}/health").json()["instances"] == 0
+
+
+def test_a_phase_started_without_a_url_spreads_over_env_server_replicas(tiny_model_dir, tmp_path) -> None:
+    """params.yaml env_server.replicas: run_phase starts that many servers, the rollout spreads over them (the
+    rollout log says which held each trajectory), and all of them are stopped afterwards."""
+    import psutil
+
+    from training.config import PhaseSpec, ServerConfig, TrainConfig
+    from training.phase import run_phase
+
+    before = {p.pid for p in psutil.process_iter(["cmdline"]) if "envs.server" in " ".join(p.info["cmdline"] or [])}
+    train = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, mini_batch_size=4, micro_batch_size=4,
+                        sub_tasks=["GoTo"])
+    spec = PhaseSpec(env="babyai", index=0, h=1, steps=1, init=tiny_model_dir, out=tmp_path / "p", train=train,
+                     server=ServerConfig(replicas=2))
+    run_phase(spec)
+    rows = [json.loads(line) for line in (tmp_path / "p" / "rollouts" / "step-000000.jsonl").read_text().splitlines()]
+    assert sorted(r["server"] for r in rows) == [0, 0, 1, 1]
+    after = {p.pid for p in psutil.process_iter(["cmdline"]) if "envs.server" in " ".join(p.info["cmdline"] or [])}
+    assert after <= before  # both replicas stopped

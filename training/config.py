@@ -225,13 +225,15 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 also serves other machines")
     max_instances: int = Field(1024, ge=1, description="live instances at once (429 beyond)")
     idle_ttl_s: float = Field(600.0, gt=0, description="idle instances are reaped after this many seconds")
+    replicas: int = Field(1, ge=1, le=64, description="servers of the environment started side by side; rollouts "
+                          "spread their trajectories over them by capacity and survive losing one")
     options: dict[str, str | int | float | bool] = Field(default_factory=dict,
                                                          description="the environment's backend options")
 
     def launch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``envs.launcher.start_server``."""
         return {"host": self.host, "max_instances": self.max_instances, "idle_ttl_s": self.idle_ttl_s,
-                **self.options}
+                "replicas": self.replicas, **self.options}
 
 
 def server_config(env: str, params: dict[str, Any] | None = None) -> ServerConfig:

@@ -10,19 +10,19 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from envs.launcher import running_server
+from envs.launcher import running_replicas
 from training.checkpoint import MANIFEST
 from training.config import PhaseSpec
 from training.trainer import train_phase
 
 
 def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, policy_url: str | None = None) -> Path:
-    """Train phase ``spec`` against the environment server at ``url``, or against one started here with
-    ``spec.server``; with ``train.engine: vllm``, sampling from the vLLM server at ``policy_url`` or from one
-    started here on the phase's parent checkpoint (every server started here is always stopped). Resumes an
-    interrupted phase; returns its final checkpoint folder."""
+    """Train phase ``spec`` against the environment server at ``url`` (or comma-separated replicas), or against
+    ``spec.server.replicas`` servers started here with ``spec.server``; with ``train.engine: vllm``, sampling from
+    the vLLM server at ``policy_url`` or from one started here on the phase's parent checkpoint (every server
+    started here is always stopped). Resumes an interrupted phase; returns its final checkpoint folder."""
     with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_server(spec.env, **spec.server.launch_kwargs()))
+        base = url or stack.enter_context(running_replicas(spec.env, **spec.server.launch_kwargs()))
         if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / MANIFEST).exists():
             from training.vllm_engine import running_vllm
 

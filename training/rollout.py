@@ -6,8 +6,14 @@ of the round's environments in one ``/step_batch`` request, until every trajecto
 rounds have passed (the curriculum's turn cap). Every trajectory has budgets, enforced together and recorded
 as what ended it: the turn cap h, tokens per turn (``max_new_tokens``), the context clamp (a next turn that would
 overflow ``context_budget``: ``context_cap``), its generated tokens (``token_cap``) and its wall-clock time
-since its reset (``time_cap``). Environment failures never become a silent zero reward: transport errors are retried
-with backoff, and a trajectory whose environment still fails is marked ``env_error``, excluded from
+since its reset (``time_cap``).
+
+Replicas: an environment may be served by several servers (``url`` a list). Trajectories are spread over them by
+each server's capacity (``/health``), and each round steps every server's share concurrently. A server that
+fails (a transport error after the retries) is marked dead: trajectories not yet reset go to the others, and
+those it held mid-rollout are rolled out again on the live servers; the failed attempts are counted
+(``env/failed_attempts``). Environment failures never become a silent zero reward: transport errors are
+retried with backoff, and a trajectory whose environment still fails is marked ``env_error``, excluded from
 training and counted. Every instance is closed, also on exceptions and cancellation.
 """
 
@@ -18,6 +24,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -61,6 +68,8 @@ class RolloutResult:
     seconds_total: float = 0.0
     generated_tokens: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+
+    failed_attempts: list[Trajectory] = field(default_factory=list)  # lost with a dead replica, then rolled again
 
     @property
     def valid(self) -> list[Trajectory]:
@@ -138,14 +147,54 @@ def opening_messages(conversation_start: tuple[dict[str, Any], dict[str, Any]], 
 
 
 class Rollout:
-    """Runs rollouts of one environment server with one policy engine."""
+    """Runs rollouts of one environment (one server, or several replicas) with one policy engine."""
 
-    def __init__(self, env: str, url: str, engine: PolicyEngine, tokenizer: Any, config: RolloutConfig,
+    def __init__(self, env: str, url: str | Sequence[str], engine: PolicyEngine, tokenizer: Any, config: RolloutConfig,
                  *, http: httpx.Client | None = None, token: str | None = None) -> None:
-        self.env, self.url, self.engine, self.config = env, url, engine, config
+        # several servers: a list, or one string of comma-separated URLs (as --url and SCALINGINTER_ENV_URL carry it)
+        self.urls = [u.strip() for u in url.split(",") if u.strip()] if isinstance(url, str) else list(url)
+        if not self.urls:
+            raise ValueError("a rollout needs at least one environment server URL")
+        self.env, self.engine, self.config = env, engine, config
+        self.url = ",".join(self.urls)
         self.chat = ChatFormat(tokenizer)
         self.client_cls = client_class(env)
-        self.http = http or env_http(url, token=token, timeout=300.0)
+        self.https = [http] if http is not None and len(self.urls) == 1 else \
+            [env_http(u, token=token, timeout=300.0) for u in self.urls]
+        self.http = self.https[0]
+        self.dead: set[int] = set()  # replicas that failed; none is tried again by this Rollout
+        self._weights: list[float] | None = None
+
+    def weights(self) -> list[float]:
+        """Each server's share of the trajectories: its capacity from /health (its instance limit when it has no
+        pool), read once; a single server needs no call."""
+        if self._weights is None:
+            if len(self.urls) == 1:
+                self._weights = [1.0]
+            else:
+                shares = []
+                for http in self.https:
+                    try:
+                        health = http.get("/health").json()
+                        shares.append(float(health.get("capacity") or health.get("max_instances") or 1))
+                    except (httpx.HTTPError, ValueError):
+                        shares.append(0.0)  # unreachable now: it gets nothing (and is tried last)
+                self._weights = shares if any(shares) else [1.0] * len(shares)
+        return self._weights
+
+    def _assign(self, count: int) -> list[int]:
+        """A server for each of ``count`` trajectories: weighted round robin over the live servers."""
+        live = [s for s in range(len(self.urls)) if s not in self.dead]
+        if not live:
+            raise EnvServerError(f"every {self.env} server has failed: {', '.join(self.urls)}", retryable=False)
+        weights = self.weights()
+        given = dict.fromkeys(live, 0)
+        out = []
+        for _ in range(count):
+            server = min(live, key=lambda s: ((given[s] + 1) / max(weights[s], 1e-9), s))
+            given[server] += 1
+            out.append(server)
+        return out
 
     def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
         """Roll out ``n_samples`` trajectories per item with at most ``h`` turns each."""
@@ -154,10 +203,27 @@ class Rollout:
         started = time.perf_counter()
         trajectories = [Trajectory(item_id, group, sample) for group, item_id in enumerate(item_ids)
                         for sample in range(self.config.n_samples)]
-        clients: list[BaseEnvClient | None] = [None] * len(trajectories)
         result = RolloutResult(trajectories)
+        self._play(result, trajectories, h, step, progress)
+        # trajectories a replica lost when it died are rolled out again on the live ones (once)
+        lost = [i for i, t in enumerate(trajectories) if t.termination == "env_error" and t.server in self.dead]
+        live = len(self.urls) - len(self.dead)
+        if lost and live:
+            again = [Trajectory(trajectories[i].item_id, trajectories[i].group, trajectories[i].sample) for i in lost]
+            self._play(result, again, h, step, progress)
+            result.failed_attempts = [trajectories[i] for i in lost]
+            for i, t in zip(lost, again, strict=True):
+                trajectories[i] = t
+        result.seconds_total = time.perf_counter() - started
+        result.stats = rollout_stats(result)
+        return result
+
+    def _play(self, result: RolloutResult, trajectories: list[Trajectory], h: int, step: int, progress: bool) -> None:
+        """Reset, then play ``trajectories`` round by round to the end; adds the time and tokens to ``result``."""
+        clients: list[BaseEnvClient | None] = [None] * len(trajectories)
+        env_seconds = 0.0
         try:
-            env_seconds = self._reset_all(trajectories, clients)
+            env_seconds += self._reset_all(trajectories, clients)
             rounds = tqdm(range(h), desc=f"{self.env} rollout (h={h})", disable=not progress, leave=False)
             for round_idx in rounds:
                 active = [i for i, t in enumerate(trajectories) if t.active]
@@ -172,34 +238,40 @@ class Rollout:
                 if t.active:
                     t.finish("turn_cap")
         finally:
-            env_seconds_close = self._close_all(clients)
-        result.seconds_in_env = env_seconds + env_seconds_close
-        result.seconds_total = time.perf_counter() - started
-        result.stats = rollout_stats(result)
-        return result
+            env_seconds += self._close_all(clients)
+        result.seconds_in_env += env_seconds
 
     def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
         started = time.perf_counter()
         cfg = self.config
+        servers = self._assign(len(trajectories))
         for i, t in enumerate(trajectories):
-            try:
-                client = with_retries(lambda: self.client_cls(self.url, http=self.http), cfg.retries, cfg.backoff_s)
-                clients[i] = client
-                idx = item_index(t.item_id)
-                first = with_retries(lambda c=client, i=idx: c.reset(i), cfg.retries, cfg.backoff_s)
-            except EnvServerError as err:
-                if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
-                    raise  # a bad item id or request is the caller's mistake: fail loudly
-                t.finish("env_error", str(err))
-                continue
-            t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
-            t.append_prompt(self.chat.prompt(t.messages))
-            t.prompt_length = len(t.input_ids)
-            t.started = time.perf_counter()
-            if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
-                t.finish("context_cap")
-            elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
-                t.finish("token_cap")
+            while True:
+                server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
+                t.server = server
+                try:
+                    client = with_retries(lambda s=server: self.client_cls(self.urls[s], http=self.https[s]),
+                                          cfg.retries, cfg.backoff_s)
+                    clients[i] = client
+                    idx = item_index(t.item_id)
+                    first = with_retries(lambda c=client, i=idx: c.reset(i), cfg.retries, cfg.backoff_s)
+                except EnvServerError as err:
+                    if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
+                        raise  # a bad item id or request is the caller's mistake: fail loudly
+                    if err.status_code is None and len(self.urls) - len(self.dead) > 1:
+                        self.dead.add(server)  # unreachable after the retries: the next live replica takes it
+                        continue
+                    t.finish("env_error", str(err))
+                    break
+                t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
+                t.append_prompt(self.chat.prompt(t.messages))
+                t.prompt_length = len(t.input_ids)
+                t.started = time.perf_counter()
+                if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
+                    t.finish("context_cap")
+                elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
+                    t.finish("token_cap")
+                break
         return time.perf_counter() - started
 
     def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
@@ -214,18 +286,39 @@ class Rollout:
         for i, g, text in zip(active, generations, texts, strict=True):
             trajectories[i].append_assistant(g.token_ids, g.logprobs)
             trajectories[i].messages.append({"role": "assistant", "content": text})
-        outputs = self._step_round([clients[i] for i in active], texts)
+        outputs = self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active])
         t2 = time.perf_counter()
         for i, text, out in zip(active, texts, outputs, strict=True):
             self._record(trajectories[i], text, out)
         return t1 - t0, t2 - t1, sum(len(g.token_ids) for g in generations)
 
-    def _step_round(self, clients: list[Any], texts: list[str]) -> list[StepOutput]:
-        try:
-            return with_retries(lambda: step_many(clients, texts, partial=True), self.config.retries,
-                                self.config.backoff_s)
-        except EnvServerError as err:  # the whole round failed: every trajectory in it is an env error
-            return [StepOutput("", error=str(err)) for _ in clients]
+    def _step_round(self, clients: list[Any], texts: list[str], servers: list[int]) -> list[StepOutput]:
+        """One ``/step_batch`` per server, the servers' shares concurrently; a server whose request fails after
+        the retries gives its share env errors (and, if it is unreachable, is marked dead)."""
+        shares: dict[int, list[int]] = {}
+        for position, server in enumerate(servers):
+            shares.setdefault(server, []).append(position)
+
+        def step_share(server: int) -> list[StepOutput]:
+            chosen = shares[server]
+            try:
+                return with_retries(lambda: step_many([clients[p] for p in chosen], [texts[p] for p in chosen],
+                                                       partial=True), self.config.retries, self.config.backoff_s)
+            except EnvServerError as err:  # the server's whole share failed: each of its trajectories errs
+                if err.status_code is None and len(self.urls) > 1:
+                    self.dead.add(server)
+                return [StepOutput("", error=str(err)) for _ in chosen]
+
+        if len(shares) == 1:
+            parts = {server: step_share(server) for server in shares}
+        else:
+            with ThreadPoolExecutor(len(shares)) as pool:
+                parts = dict(zip(shares, pool.map(step_share, shares), strict=True))
+        outputs: list[StepOutput | None] = [None] * len(clients)
+        for server, positions in shares.items():
+            for position, out in zip(positions, parts[server], strict=True):
+                outputs[position] = out
+        return [o for o in outputs if o is not None]
 
     def _record(self, t: Trajectory, text: str, out: StepOutput) -> None:
         if out.error is not None:
@@ -278,6 +371,7 @@ def rollout_stats(result: RolloutResult) -> dict[str, float]:
         "timing_s/gen": result.seconds_generating,
         "timing_s/env": result.seconds_in_env,
         "perf/generated_tokens": float(result.generated_tokens),
+        "env/failed_attempts": float(len(result.failed_attempts)),
     }
     stats.update({f"rollout/termination/{reason}": float(ended[reason]) for reason in TERMINATIONS})
     return stats

@@ -620,10 +620,12 @@ class CapacityConfigError(ValueError):
 
 
 def check_capacity(url: str, live: int) -> None:
-    """Fail before training when one step's ``live`` episodes exceed the server's simulator/browser pool."""
+    """Fail before training when one step's ``live`` episodes exceed the servers' simulator/browser pools (``url``:
+    one server, or comma-separated replicas whose capacities add up)."""
     from envs.client import server_capacity
 
-    capacity = server_capacity(url)
+    capacities = [server_capacity(u.strip()) for u in url.split(",") if u.strip()]
+    capacity = None if any(c is None for c in capacities) else sum(c for c in capacities if c)
     if capacity and live > capacity:
         raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
                                   f"environment server holds at most {capacity} (max_jvms / max_contexts): lower "

@@ -47,6 +47,7 @@ class Trajectory:
     termination: Termination | None = None
     error: str | None = None
     started: float = 0.0  # perf_counter at its reset (its wall-clock budget runs from here)
+    server: int = 0  # which environment server (replica) holds its instance
 
     @property
     def valid(self) -> bool:
@@ -101,6 +102,7 @@ class Trajectory:
             "agent_tokens": sum(self.loss_mask),
             "termination": self.termination,
             "error": self.error,
+            "server": self.server,
             "conversation": self.messages,
             "turn_records": [asdict(t) for t in self.turns],
         }
