@@ -92,6 +92,31 @@ def test_expert_replayed_through_the_rollout_reaches_the_experts_reward(env: str
         assert sum(t.token_rewards()) == pytest.approx(reward)  # only on the last assistant token
 
 
+@pytest.mark.parametrize("env", ["babyai", "textcraft"])
+def test_async_mode_gives_the_same_trajectories_as_lockstep(env: str, env_server, tiny_policy) -> None:
+    """Asynchronous trajectories (generations batched by what is ready, three at a time, steps in flight
+    meanwhile) with scripted experts of different lengths: the same set of trajectories as lock-step rounds,
+    token for token, each ended by its own turn cap."""
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    items = _items(env, 12)
+    scripts = {}
+    for item in items:
+        key, replies, _ = _script(env, item, chat)
+        scripts[key] = replies
+    lengths = sorted(len(r) for r in scripts.values())
+    assert lengths[0] < lengths[-1], lengths  # experts of different lengths: trajectories end at different turns
+    h = lengths[-1] - 1  # the longest experts are cut by the cap, the others finish
+    runs = {}
+    for mode in ("lockstep", "async"):
+        config = RolloutConfig(n_samples=2, max_new_tokens=512, context_budget=100_000, mode=mode, async_batch=3)
+        result = Rollout(env, env_server(env), ScriptedEngine(tokenizer, scripts), tokenizer, config).run(items, h=h)
+        runs[mode] = sorted((t.group, t.sample, tuple(t.input_ids), t.termination, t.reward, len(t.turns))
+                            for t in result.trajectories)
+    assert runs["async"] == runs["lockstep"]
+    assert {r[3] for r in runs["async"]} == {"done", "turn_cap"}
+
+
 def test_token_ids_and_loss_mask_equal_the_chat_templates(env_server, tiny_policy) -> None:
     tokenizer = tiny_policy[1]
     chat = ChatFormat(tokenizer)

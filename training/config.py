@@ -50,6 +50,11 @@ class TrainConfig(BaseModel):
                                               "turns together (None: no bound beyond h and the context clamp)")
     max_trajectory_seconds: float | None = Field(None, gt=0, description="wall-clock seconds per trajectory from "
                                                  "its reset, checked after each turn (None: unbounded)")
+    rollout_mode: Literal["lockstep", "async"] = Field("lockstep", description="lockstep: rounds of one batched "
+                                                       "generation and one batched step; async: each trajectory "
+                                                       "moves on its own, generations batched by what is ready")
+    async_batch: int | None = Field(None, ge=1, description="async: most trajectories per generation call (None: "
+                                    "all that are ready)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1.0: the full distribution)")
     # update

@@ -24,10 +24,10 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 from tqdm import tqdm
@@ -56,6 +56,11 @@ class RolloutConfig:
     retries: int = 3  # for retryable environment errors (connection refused, server full)
     backoff_s: float = 0.5  # first retry delay; doubles each time
     system_prompt: str | None = None
+    # lockstep: every round generates for all active trajectories, then steps them all. async: each trajectory
+    # moves on its own (its next generation as soon as its observation is back), generations batched by what is
+    # ready, at most async_batch at once (None: all that are ready), environment steps in flight meanwhile.
+    mode: Literal["lockstep", "async"] = "lockstep"
+    async_batch: int | None = None
 
 
 @dataclass
@@ -224,6 +229,12 @@ class Rollout:
         env_seconds = 0.0
         try:
             env_seconds += self._reset_all(trajectories, clients)
+            if self.config.mode == "async":
+                gen_s, env_s, tokens = self._play_async(trajectories, clients, h, step)
+                result.seconds_generating += gen_s
+                env_seconds += env_s
+                result.generated_tokens += tokens
+                return
             rounds = tqdm(range(h), desc=f"{self.env} rollout (h={h})", disable=not progress, leave=False)
             for round_idx in rounds:
                 active = [i for i, t in enumerate(trajectories) if t.active]
@@ -291,6 +302,58 @@ class Rollout:
         for i, text, out in zip(active, texts, outputs, strict=True):
             self._record(trajectories[i], text, out)
         return t1 - t0, t2 - t1, sum(len(g.token_ids) for g in generations)
+
+    def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
+                    step: int) -> tuple[float, float, int]:
+        """The asynchronous mode: generate for the trajectories that are ready (up to ``async_batch``), hand each
+        generated batch's environment steps to worker threads, and generate for the next ready ones while they
+        run. Each trajectory still ends by its own budgets (h counted in its own turns)."""
+        cfg = self.config
+        ready = [i for i, t in enumerate(trajectories) if t.active]
+        in_flight: dict[Future[list[StepOutput]], tuple[list[int], list[str]]] = {}
+        gen_s, tokens, calls = 0.0, 0, 0
+        busy_env = 0.0
+        with ThreadPoolExecutor(max(4, 2 * len(self.urls))) as pool:
+            while ready or in_flight:
+                if ready:
+                    batch, ready = ready[: cfg.async_batch or len(ready)], ready[cfg.async_batch or len(ready):]
+                    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                            top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + step * 1009 + calls)
+                    calls += 1
+                    t0 = time.perf_counter()
+                    generations = self.engine.generate([trajectories[i].input_ids for i in batch], params)
+                    gen_s += time.perf_counter() - t0
+                    texts = [self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+                    for i, g, text in zip(batch, generations, texts, strict=True):
+                        trajectories[i].append_assistant(g.token_ids, g.logprobs)
+                        trajectories[i].messages.append({"role": "assistant", "content": text})
+                        tokens += len(g.token_ids)
+
+                    def steps(batch: list[int] = batch, texts: list[str] = texts) -> list[StepOutput]:
+                        return self._step_round([clients[i] for i in batch], texts,
+                                                [trajectories[i].server for i in batch])
+
+                    in_flight[pool.submit(steps)] = (batch, texts)
+                    if ready:  # more to generate now; collect what has come back meanwhile without waiting
+                        done = {f for f in in_flight if f.done()}
+                    else:
+                        t1 = time.perf_counter()
+                        done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                        busy_env += time.perf_counter() - t1
+                else:
+                    t1 = time.perf_counter()
+                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                    busy_env += time.perf_counter() - t1
+                for future in done:
+                    batch, texts = in_flight.pop(future)
+                    for i, text, out in zip(batch, texts, future.result(), strict=True):
+                        t = trajectories[i]
+                        self._record(t, text, out)
+                        if t.active and len(t.turns) >= h:
+                            t.finish("turn_cap")
+                        elif t.active:
+                            ready.append(i)
+        return gen_s, busy_env, tokens
 
     def _step_round(self, clients: list[Any], texts: list[str], servers: list[int]) -> list[StepOutput]:
         """One ``/step_batch`` per server, the servers' shares concurrently; a server whose request fails after

@@ -198,6 +198,7 @@ class PhaseTrainer:
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
             max_trajectory_tokens=config.max_trajectory_tokens, max_trajectory_seconds=config.max_trajectory_seconds,
+            mode=config.rollout_mode, async_batch=config.async_batch,
             temperature=config.temperature, top_p=config.top_p, seed=config.seed))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:

@@ -1,0 +1,105 @@
+"""Environment-bound rollouts: asynchronous against lock-step, 1 and 2 local replicas, and a replica killed mid-way.
+
+    python benchmarks/replicas.py [--env babyai|textcraft|sciworld] [--trajectories 64] [--h 10] [--repeats 3]
+
+The policy is scripted (every reply ``turn left``, no model), so the time is the environment's: parsing, the
+HTTP round trips and the simulator. Prints env-steps/s with one server and with two (each its own process, so
+two cores serve), the ratio; trajectories/s of the asynchronous mode (generations of what is ready, a quarter of
+the trajectories at a time, environment steps in flight meanwhile) against lock-step rounds on one server; then
+a run over two replicas where one is SIGKILLed after the first round: how
+many trajectories finished, how many were rolled out again on the other, and how many were lost (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class TurnLeft:
+    """Every reply a valid action; calls ``hook(calls)`` before each generation."""
+
+    def __init__(self, tokenizer, reply: str, hook=lambda calls: None) -> None:
+        self.ids = [*tokenizer(reply, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        self.hook, self.calls = hook, 0
+
+    def generate(self, prompts, params):
+        from training.engine import Generation
+
+        self.calls += 1
+        self.hook(self.calls)
+        return [Generation(list(self.ids), [0.0] * len(self.ids), True) for _ in prompts]
+
+
+REPLIES = {"babyai": "Thought: look around.\nAction: turn left", "textcraft": "Thought: check.\nAction: inventory",
+           "sciworld": "Thought: look.\nAction: look around"}
+
+
+def main() -> None:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from envs.launcher import running_replicas
+    from envs.splits import load_split
+    from training.rollout import Rollout, RolloutConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="babyai", choices=sorted(REPLIES))
+    parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--h", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny")
+    items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
+    config = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, retries=1, backoff_s=0.05)
+    rates = {}
+    for replicas in (1, 2):
+        with running_replicas(args.env, replicas) as url:
+            rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config)
+            rollout.run(items, h=2)  # warm-up
+            best = 0.0
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                result = rollout.run(items, h=args.h)
+                steps = sum(len(t.turns) for t in result.trajectories)
+                best = max(best, steps / (time.perf_counter() - started))
+            rates[replicas] = best
+            print(json.dumps({"replicas": replicas, "env_steps_per_s": round(best, 1), "trajectories":
+                              len(result.trajectories)}), flush=True)
+    print(json.dumps({"speedup_2_vs_1": round(rates[2] / rates[1], 2)}), flush=True)
+    per_s = {}
+    with running_replicas(args.env, 1) as url:
+        for mode in ("lockstep", "async"):
+            cfg = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, mode=mode,
+                                async_batch=max(1, args.trajectories // 4))
+            rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, cfg)
+            best = 0.0
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                done = len(rollout.run(items, h=args.h).trajectories)
+                best = max(best, done / (time.perf_counter() - started))
+            per_s[mode] = best
+            print(json.dumps({"mode": mode, "trajectories_per_s": round(best, 2)}), flush=True)
+    print(json.dumps({"speedup_async_vs_lockstep": round(per_s["async"] / per_s["lockstep"], 2)}), flush=True)
+    with running_replicas(args.env, 2) as url:
+        victim = httpx.get(f"{url.split(',')[1]}/health").json()["pid"]
+        engine = TurnLeft(tokenizer, REPLIES[args.env],
+                          hook=lambda calls: os.kill(victim, signal.SIGKILL) if calls == 2 else None)
+        rollout = Rollout(args.env, url, engine, tokenizer, config)
+        result = rollout.run(items, h=args.h)
+        print(json.dumps({"killed_replica": 1, "trajectories": len(result.trajectories),
+                          "valid": len(result.valid), "rolled_out_again": len(result.failed_attempts),
+                          "env_errors_left": len(result.trajectories) - len(result.valid),
+                          "lost": args.trajectories - len(result.trajectories)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
