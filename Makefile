@@ -60,5 +60,5 @@ test: install vllm check-browser
 lint: install
 	$(BIN)/ruff check .
 
-bench: install
-	$(BIN)/python benchmarks/env_throughput.py
+bench: install vllm check-browser
+	$(BIN)/python benchmarks/run_all.py   # every benchmark, ~20 min; writes docs/benchmarks.md

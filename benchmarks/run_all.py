@@ -1,0 +1,121 @@
+"""Every benchmark at a size that fits ~20 minutes on the 2-core machine, one after the other; writes
+docs/benchmarks.md (figure, target, command, date, machine load, seconds). ``make bench`` runs it.
+
+    python benchmarks/run_all.py [--only NAME ...] [--out docs/benchmarks.md]
+
+The long measurements are not rerun here (their own documents carry their figures): the learning benchmarks
+(benchmarks/learning_babyai.py, bandit_learning_seeds.py), the curriculum study (docs/curriculum-study.md), the
+30-minute soaks and the 10,000-request fuzzing (docs/reliability.md). A benchmark that fails or is missing its
+optional dependency is a row saying so, never a silent gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    args: list[str]
+    target: str
+    figure: str  # regex: the output lines that carry the figure
+    needs: str | None = None  # an optional module the benchmark imports
+    timeout_s: int = 600
+
+
+BENCHES = [
+    Bench("environment throughput (BabyAI over HTTP)", ["benchmarks/env_throughput.py", "--seconds", "5"],
+          ">= 2000 steps/s http-batch; <= 1 ms added median latency", r"^(http-batch|latency).*"),
+    Bench("BabyAI in-process step", ["benchmarks/babyai_inprocess.py", "--steps", "20000"],
+          "text layer well under 0.2 ms per step", r"^per step.*"),
+    Bench("server memory (TextCraft reset/close)", ["benchmarks/env_memory.py", "--env", "textcraft", "--cycles",
+                                                    "2000"], "growth < 20 MB over 5,000 cycles", r".*RSS.*"),
+    Bench("rollout throughput (64 BabyAI trajectories, tiny model)", ["benchmarks/rollout_throughput.py"],
+          "environment wait <= 10% of wall; engine >= 0.8x bare generate", r"^(\d+ trajectories|engine).*"),
+    Bench("replicas and asynchronous rollouts (BabyAI, scripted policy)",
+          ["benchmarks/replicas.py", "--trajectories", "64", "--h", "8", "--repeats", "2"],
+          ">= 1.8x env-steps/s with 2 replicas; async vs lock-step >= 1.5x (vllm, SciWorld); 0 lost on a kill",
+          r".*(speedup|lost).*"),
+    Bench("orchestration overhead per phase", ["benchmarks/orchestration_overhead.py", "--phases", "2"],
+          "a few seconds per phase", r"^overhead per phase.*", timeout_s=900),
+    Bench("trainer vs TRL (tokens/s)", ["benchmarks/trainer_vs_trl.py", "--batch", "8"],
+          ">= TRL's GRPOTrainer at the same loss", r".*\[fp32\].*", needs="trl"),
+    Bench("vllm engine vs hf engine", ["benchmarks/vllm_engine.py", "--prompts", "32", "--syncs", "3"],
+          "vllm >= 1.5x hf tokens/s; weight sync <= 1 s", r"^\{.*"),
+    Bench("hostile requests (BabyAI, 1,000)", ["benchmarks/fuzz_servers.py", "--envs", "babyai", "--examples",
+                                               "1000"], "0 undocumented 5xx; healthy after", r"^\{.*"),
+]
+
+
+def run(bench: Bench) -> dict[str, str]:
+    command = " ".join(["python", *bench.args])
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    if bench.needs and importlib.util.find_spec(bench.needs) is None:
+        figure = f"skipped: needs `pip install {bench.needs}` (not a project dependency)"
+    else:
+        try:
+            done = subprocess.run([sys.executable, *bench.args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=bench.timeout_s)
+            lines = [line.strip() for line in done.stdout.splitlines() if re.match(bench.figure, line.strip())]
+            if done.returncode != 0:
+                figure = f"FAILED (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+            else:
+                figure = "<br>".join(lines) or f"(no figure line; last output: {done.stdout.strip()[-200:]})"
+        except subprocess.TimeoutExpired:
+            figure = f"FAILED: over {bench.timeout_s} s"
+    return {"name": bench.name, "figure": figure.replace("|", "/"), "target": bench.target, "command": command,
+            "seconds": f"{time.perf_counter() - started:.0f}",
+            "load": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
+
+
+def write(rows: list[dict[str, str]], out: Path) -> None:
+    from envs.files import atomic_write
+
+    cores = os.cpu_count()
+    lines = ["# Benchmarks", "",
+             f"Written by `make bench` (`python benchmarks/run_all.py`) on {dt.date.today().isoformat()}: "
+             f"{platform.machine()}, {cores} cores, Python {platform.python_version()}. Load is the 1-minute load "
+             "average before -> after each benchmark (other work on the machine shows there). Sizes are reduced to "
+             "fit ~20 minutes; each command runs alone at full size too.", "",
+             "| benchmark | figure | target | command | seconds | load |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
+              for r in rows]
+    lines += ["", "Not rerun here (long; figures in their own documents): the learning benchmarks "
+              "(`benchmarks/learning_babyai.py`, `benchmarks/bandit_learning_seeds.py`, README), the curriculum "
+              "study (`docs/curriculum-study.md`), the 30-minute soaks and 10,000-request fuzzing "
+              "(`docs/reliability.md`).", ""]
+    atomic_write(out, "\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="names (substrings) of the benchmarks to run")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    chosen = [b for b in BENCHES if not args.only or any(o in b.name for o in args.only)]
+    rows = []
+    for bench in chosen:
+        print(f"== {bench.name}: python {' '.join(bench.args)}", flush=True)
+        rows.append(run(bench))
+        print(f"   {rows[-1]['figure']} ({rows[-1]['seconds']} s)", flush=True)
+    write(rows, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
