@@ -8,19 +8,21 @@ experiment of its own workspace, resumable at every level.
 
 The workspace (``--workspace``, default runs/curriculum-study) is a git + DVC project of its own, written here:
 its params.yaml holds the task, the warm start, the trainer settings and the arm; its dvc.yaml the stages
-``items`` (the task's items), ``warm`` (SFT on the expert's episodes), ``warm_eval`` (the warm start's greedy
-success on the held-out items, per turn cap: the pilot), ``train`` (the arm's phases, one after the other, each
-resuming where a kill left it) and ``eval`` (the arm's final policy, greedy, on the held-out items, and its phase
-boundaries on a subset for the curves). ``dvc exp run -n <arm>-s<seed> -S arm.…`` runs one arm; ``dvc exp show``
-in the workspace lists them with their params and metrics. The stages' commands call this file's ``stage``
-subcommand. A finished arm's figures are copied to docs/curriculum-study/ (committed), so ``run`` skips it even
-on a machine where the workspace is gone.
+``items`` (the task's items), ``warm`` (SFT on the expert's episodes), ``pilot`` (the warm start's greedy success
+by turn cap, kept cap by cap), ``warm_eval`` (the warm start on every held-out item at ``eval.h``), ``train`` (the
+arm's phases, one after the other, each resuming where a kill left it) and ``eval`` (the arm's final policy,
+greedy, on the held-out items, and its phase boundaries on a subset for the curves).
+``dvc exp run -n <arm>-s<seed> -S arm.…`` runs one arm; ``dvc exp show`` in the workspace lists them with their
+params and metrics. The stages' commands call this file's ``stage`` subcommand. A finished arm's figures are
+copied to docs/curriculum-study/ (committed), so ``run`` skips it even on a machine where the workspace is gone.
 
 The task: BabyAI GoTo items the high-level expert (go to the goal when it is in view, else turn left) solves
 within 4 turns: about half at 1 turn (the goal in view), the rest need 1-3 turns first. A small cap h=2 cannot
 solve the items that need 3-4 turns; the environment's cap (20) can solve all. Every arm trains on the same items
 in the same order (the data stream's seed), from the same warm start, for the same number of optimizer steps, and
-is evaluated greedily at the same cap (``eval.h``) on the same held-out items.
+is evaluated greedily at the same cap (``eval.h`` = 10, 2.5x the longest expert solution, also ScalingInter's last
+cap) on the same held-out items. The evaluation cap is 10 rather than 20 for cost: on 2 cores a greedy pass at
+h=20 re-reads contexts of up to ~2,000 tokens every turn for every failing item (the pilot's seconds show it).
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ SELF = Path(__file__).resolve()
 PARAMS: dict[str, Any] = {
     "task": {"max_expert_turns": 4, "sft_items": 1200, "eval_items": 500, "curve_items": 200},
     "warm": {"epochs": 2, "lr": 1.0e-3, "batch_size": 8},
-    "pilot": {"caps": [1, 2, 4, 8, 20], "items": 300},
+    "pilot": {"caps": [1, 2, 4, 8, 20], "items": 200},
     "train": {"batch_items": 16, "n_samples": 4, "lr": 2.0e-4, "max_new_tokens": 24, "temperature": 1.0,
               "mini_batch_size": 32, "micro_batch_size": 16, "save_every": 4, "kl_coef": 0.001,
               "guard": {"enabled": False}},
-    "eval": {"h": 20, "batch_items": 50},
+    "eval": {"h": 10, "batch_items": 50, "curve_items": 100},
     "arm": {"name": "fixed-2", "schedule": [[2, 24]], "adaptive": False, "seed": 0},
 }
 
@@ -67,13 +69,15 @@ ADAPTIVE_RULE = {"truncated_share": 0.3, "plateau_steps": 4, "plateau_tolerance"
 STAGES = {
     "items": {"cmd": "{py} {me} stage items", "params": ["task"], "outs": ["items.json"]},
     "warm": {"cmd": "{py} {me} stage warm", "params": ["task", "warm"], "deps": ["items.json"], "outs": ["warm"]},
-    "warm_eval": {"cmd": "{py} {me} stage warm_eval", "params": ["pilot", "eval", "train.max_new_tokens"],
-                  "deps": ["items.json", "warm"],
-                  "metrics": [{"warm_eval.json": {"cache": False}}]},
+    "pilot": {"cmd": "{py} {me} stage pilot", "params": ["pilot", "train.max_new_tokens", "eval.batch_items"],
+              "deps": ["items.json", "warm"], "outs": [{"pilot": {"persist": True}}],
+              "metrics": [{"pilot.json": {"cache": False}}]},
+    "warm_eval": {"cmd": "{py} {me} stage warm_eval", "params": ["eval", "train.max_new_tokens"],
+                  "deps": ["items.json", "warm"], "metrics": [{"warm_eval.json": {"cache": False}}]},
     "train": {"cmd": "{py} {me} stage train", "params": ["train", "arm"], "deps": ["items.json", "warm"],
               "outs": [{"arms/${arm.name}-s${arm.seed}/phases": {"persist": True}}],
               "metrics": [{"arms/${arm.name}-s${arm.seed}/train.json": {"cache": False}}]},
-    "eval": {"cmd": "{py} {me} stage eval", "params": ["eval", "arm", "task.curve_items", "train.max_new_tokens"],
+    "eval": {"cmd": "{py} {me} stage eval", "params": ["eval", "arm", "train.max_new_tokens"],
              "deps": ["items.json", "warm", "arms/${arm.name}-s${arm.seed}/phases"],
              "metrics": [{"arms/${arm.name}-s${arm.seed}/eval.json": {"cache": False}}]},
 }
@@ -175,30 +179,51 @@ def _eval_summary(result: Any, items: list[str], expert_turns: dict[str, int]) -
             "per_item": {i: int(part[i][0]) for i in items}}
 
 
+def stage_pilot(params: dict[str, Any]) -> None:
+    """The pilot: the warm start's greedy success by turn cap on the first ``pilot.items`` held-out items; each cap
+    is kept in pilot/ as it is done, so a killed pilot goes on with the next cap."""
+    from envs.launcher import running_server
+    from training.checkpoint import folder_hash
+    from training.evaluate import evaluate
+
+    data = _items()
+    expert_turns = {k: int(v) for k, v in data["held_out_expert_turns"].items()}
+    pilot, items = params["pilot"], data["held_out"][: params["pilot"]["items"]]
+    folder = Path("pilot")
+    folder.mkdir(exist_ok=True)
+    key = {"warm": folder_hash(Path("warm")), "items": len(items), "max_new_tokens": params["train"]["max_new_tokens"]}
+    out: dict[str, Any] = {"by_cap": {}}
+    with running_server("babyai") as url:
+        for h in pilot["caps"]:
+            done = folder / f"h{h}.json"
+            if done.exists() and json.loads(done.read_text()).get("key") == key:
+                out["by_cap"][str(h)] = json.loads(done.read_text())["summary"]
+                continue
+            started = time.perf_counter()
+            result = evaluate(Path("warm"), "babyai", url, items, h=h, max_new_tokens=key["max_new_tokens"],
+                              batch_items=params["eval"]["batch_items"])
+            summary = _eval_summary(result, items, expert_turns)
+            summary |= {"seconds": round(time.perf_counter() - started, 1), "generated_tokens": result.generated_tokens}
+            del summary["per_item"]
+            _write_json(done, {"key": key, "summary": summary})
+            out["by_cap"][str(h)] = summary
+            print(f"warm start, h={h}: greedy success {summary['success']:.1%} on {len(items)} items, "
+                  f"{summary['turns_mean']:.2f} turns, {summary['seconds']} s", flush=True)
+    out["success_at_largest_cap"] = out["by_cap"][str(pilot["caps"][-1])]["success"]
+    _write_json(Path("pilot.json"), out)
+
+
 def stage_warm_eval(params: dict[str, Any]) -> None:
-    """The pilot: the warm start's greedy success by turn cap on the pilot's held-out items, and at eval.h on all."""
+    """The warm start, greedy at eval.h on every held-out item: the arms' common baseline."""
     from envs.launcher import running_server
     from training.evaluate import evaluate
 
     data = _items()
     held, expert_turns = data["held_out"], {k: int(v) for k, v in data["held_out_expert_turns"].items()}
-    pilot = params["pilot"]
-    out: dict[str, Any] = {"by_cap": {}}
     with running_server("babyai") as url:
-        for h in pilot["caps"]:
-            started = time.perf_counter()
-            items = held[: pilot["items"]]
-            result = evaluate(Path("warm"), "babyai", url, items, h=h, max_new_tokens=params["train"]["max_new_tokens"],
-                              batch_items=params["eval"]["batch_items"])
-            summary = _eval_summary(result, items, expert_turns)
-            summary |= {"seconds": round(time.perf_counter() - started, 1), "generated_tokens": result.generated_tokens}
-            del summary["per_item"]
-            out["by_cap"][str(h)] = summary
-            print(f"warm start, h={h}: greedy success {summary['success']:.1%} on {len(items)} items, "
-                  f"{summary['turns_mean']:.2f} turns, {summary['seconds']} s", flush=True)
         result = evaluate(Path("warm"), "babyai", url, held, h=params["eval"]["h"],
                           max_new_tokens=params["train"]["max_new_tokens"], batch_items=params["eval"]["batch_items"])
-    out["held_out"] = _eval_summary(result, held, expert_turns)
+    out: dict[str, Any] = {"held_out": _eval_summary(result, held, expert_turns)}
     out["held_out"]["generated_tokens"] = result.generated_tokens
     out["success"] = out["held_out"]["success"]
     _write_json(Path("warm_eval.json"), out)
@@ -272,15 +297,16 @@ def stage_eval(params: dict[str, Any]) -> None:
 
     data = _items()
     held, expert_turns = data["held_out"], {k: int(v) for k, v in data["held_out_expert_turns"].items()}
-    ev, task = params["eval"], params["task"]
+    ev = params["eval"]
     phases_dir = _arm_dir(params) / "phases"
     n = len(params["arm"]["schedule"])
     out: dict[str, Any] = {"curve": []}
-    kwargs = {"h": ev["h"], "max_new_tokens": params["train"]["max_new_tokens"], "batch_items": ev["batch_items"]}
+    kwargs: dict[str, Any] = {"h": ev["h"], "max_new_tokens": params["train"]["max_new_tokens"],
+                              "batch_items": ev["batch_items"]}
     with running_server("babyai") as url:
         for index in range(n - 1):  # the last phase's final is the full evaluation below
             final = phases_dir / f"phase-{index}" / "final"
-            items = held[: task["curve_items"]]
+            items = held[: ev.get("curve_items", params["task"]["curve_items"])]
             result = evaluate(final, "babyai", url, items, **kwargs)
             manifest = json.loads((final / "manifest.json").read_text())
             out["curve"].append({"phase": index, "global_step": manifest.get("global_step"),
@@ -334,14 +360,20 @@ def collect(workspace: Path, name: str, seed: int, seconds: float, docs: Path = 
         "lineage": {stage: [o.get("md5") for o in lock["stages"][stage].get("outs", [])]
                     for stage in ("warm", "train")}})
     if not (docs / "warm.json").exists():
-        _write_json(docs / "warm.json", json.loads((workspace / "warm_eval.json").read_text()))
+        _write_json(docs / "warm.json", _warm(workspace))
+
+
+def _warm(workspace: Path) -> dict[str, Any]:
+    """The warm start's figures: its held-out evaluation and the pilot's success by turn cap."""
+    return {**json.loads((workspace / "warm_eval.json").read_text()),
+            "by_cap": json.loads((workspace / "pilot.json").read_text())["by_cap"]}
 
 
 def pilot(workspace: Path) -> None:
     init_workspace(workspace)
-    if _dvc(workspace, "repro", "warm_eval") != 0:
+    if _dvc(workspace, "repro", "pilot", "warm_eval") != 0:
         raise SystemExit("the pilot failed (rerun to resume)")
-    data = json.loads((workspace / "warm_eval.json").read_text())
+    data = _warm(workspace)
     _write_json(DOCS / "warm.json", data)
     print(json.dumps({h: {k: v for k, v in s.items() if k != "per_item"} for h, s in data["by_cap"].items()},
                      indent=1))
@@ -350,7 +382,7 @@ def pilot(workspace: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["pilot", "run", "report", "status", "stage"])
-    parser.add_argument("stage", nargs="?", help="(stage) items | warm | warm_eval | train | eval")
+    parser.add_argument("stage", nargs="?", help="(stage) items | warm | pilot | warm_eval | train | eval")
     parser.add_argument("--workspace", type=Path, default=ROOT / "runs" / "curriculum-study")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--arms", default=",".join(ARMS))
@@ -360,7 +392,8 @@ def main() -> None:
 
         torch.set_num_threads(int(os.environ.get("STUDY_THREADS", "2")))
         sys.path.insert(0, str(ROOT))
-        {"items": stage_items, "warm": stage_warm, "warm_eval": stage_warm_eval, "train": stage_train,
+        {"items": stage_items, "warm": stage_warm, "pilot": stage_pilot, "warm_eval": stage_warm_eval,
+         "train": stage_train,
          "eval": stage_eval}[args.stage](_params())
     elif args.command == "pilot":
         pilot(args.workspace)

@@ -19,7 +19,7 @@ SMALL = {**PARAMS,
          "pilot": {"caps": [1, 2], "items": 6},
          "train": {**PARAMS["train"], "batch_items": 2, "n_samples": 2, "mini_batch_size": 4, "micro_batch_size": 4,
                    "save_every": 1},
-         "eval": {"h": 2, "batch_items": 12}}
+         "eval": {"h": 2, "batch_items": 12, "curve_items": 6}}
 SPECS = {"fixed-1": {"schedule": [[1, 2]], "adaptive": False},
          "grow": {"schedule": [[1, 1], [2, 1]], "adaptive": False}}
 
