@@ -7,6 +7,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from envs.deepsearch.backend import load_flashrag
 from envs.deepsearch.client import Client
@@ -139,3 +140,82 @@ def test_dense_retrieval_finds_the_entity_document() -> None:
     film = list(world.films)[5]
     hits = index.search([f"who directed the film {film}?"], 3)[0]
     assert docs[hits[0][0]].title == film and hits[0][1] >= hits[1][1]
+
+
+class _SearchR1Query(BaseModel):
+    """Search-R1's retrieval_server request model."""
+
+    queries: list[str]
+    topk: int | None = None
+    return_scores: bool = False
+
+
+def test_our_environment_reads_a_search_r1_retriever() -> None:
+    """A retriever written to Search-R1's protocol (its retrieval_server: ``{queries, topk, return_scores}`` ->
+    ``{result: [[{id, contents}]]}``, ``contents`` the quoted title then the text) serves our environment: the
+    agent sees the documents in the ``<information>`` format (it used to be a KeyError, reported as 502)."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from envs.launcher import free_port
+
+    corpus = [{"id": "0", "contents": '"Ada Lovelace"\nAda Lovelace wrote the first program.'},
+              {"id": "1", "contents": '"Charles Babbage"\nBabbage designed the Analytical Engine.'}]
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    def retrieve(request: _SearchR1Query) -> dict:
+        docs = corpus[: request.topk or 3]
+        rows = [[{"document": d, "score": 1.0 - i / 10} for i, d in enumerate(docs)] if request.return_scores
+                else docs for _ in request.queries]
+        return {"result": rows}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.05)
+    try:
+        with running_server("deepsearch", retriever_url=f"http://127.0.0.1:{port}") as url:
+            client = Client(url)
+            client.reset(0)
+            seen = client.step("<search>who wrote the first program</search>").observation
+            assert seen.startswith("<information>Doc 1(Title: Ada Lovelace) Ada Lovelace wrote the first program.")
+            assert "Doc 2(Title: Charles Babbage) Babbage designed" in seen
+            client.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_search_r1_client_reads_our_retriever() -> None:
+    """Search-R1's client side against our retriever: it posts ``{queries, topk, return_scores: true}`` and reads
+    ``result[i][j]["document"]["contents"]`` (title on the first line) and the score; without return_scores it
+    reads ``{id, contents}``; our own format is unchanged."""
+    from envs.deepsearch.backend import start_retriever
+    from envs.launcher import stop_server
+
+    url, proc = start_retriever("bm25")
+    try:
+        world = default_world()
+        film = list(world.films)[3]
+        body = {"queries": [f"{film} film director", "anything"], "topk": 3, "return_scores": True}
+        result = httpx.post(f"{url}/retrieve", json=body, timeout=60).json()["result"]
+        assert len(result) == 2 and len(result[0]) == 3
+        passages = []
+        for item in result[0]:  # what Search-R1's _passages2string does
+            content = item["document"]["contents"]
+            title, text = content.split("\n")[0], "\n".join(content.split("\n")[1:])
+            passages.append((title, text, item["score"]))
+        assert passages[0][0] == f'"{film}"' and passages[0][1] and passages[0][2] >= passages[1][2]
+        plain = httpx.post(f"{url}/retrieve", json={**body, "return_scores": False}, timeout=60).json()["result"]
+        assert set(plain[0][0]) == {"id", "contents"}
+        ours = httpx.post(f"{url}/retrieve", json={"queries": [film], "topk": 2}, timeout=60).json()["result"]
+        assert set(ours[0][0]) == {"id", "title", "text", "score"}
+        assert httpx.post(f"{url}/retrieve", json={"queries": [film], "topk": None, "return_scores": True},
+                          timeout=60).status_code == 200  # Search-R1 may send a null topk
+    finally:
+        stop_server(proc)

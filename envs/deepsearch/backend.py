@@ -73,6 +73,17 @@ def load_flashrag(paths: list[str]) -> list[Question]:
     return out
 
 
+def document(hit: dict[str, Any]) -> dict[str, str]:
+    """One retrieved document as ``{title, text}``, from this project's retriever (``{id, title, text, score}``) or
+    Search-R1's (``{document: {id, contents}, score}``, or ``{id, contents}`` without scores; ``contents`` is the
+    quoted title on its first line, then the text)."""
+    if "title" in hit and "text" in hit:
+        return {"title": str(hit["title"]), "text": str(hit["text"])}
+    contents = str(hit.get("document", hit)["contents"])
+    title, _, text = contents.partition("\n")
+    return {"title": title.strip().strip('"'), "text": text}
+
+
 def start_retriever(method: str = "bm25", corpus: str = "world", timeout_s: float = 120.0
                     ) -> tuple[str, subprocess.Popen]:
     """Start ``python -m envs.deepsearch.retriever`` on a free port; it dies with this process."""
@@ -169,8 +180,8 @@ class Backend(BaseBackend):
         try:
             response = self.http.post("/retrieve", json={"queries": [query], "topk": self.topk})
             response.raise_for_status()
-            return response.json()["result"][0]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+            return [document(hit) for hit in response.json()["result"][0]]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError, AttributeError) as err:
             raise RetrieverError(f"retriever at {self.retriever_url} failed: {err}") from err
 
     def _restart_if_dead(self, failed: subprocess.Popen | None) -> bool:

@@ -82,37 +82,29 @@ def default_encoder() -> Path:
 
 
 class DenseIndex:
-    """Mean-pooled, L2-normalised sentence embeddings in a faiss inner-product index."""
+    """Sentence embeddings in a faiss inner-product index: ``SentenceTransformer.encode`` with the encoder's own
+    modules (its pooling, and its normalisation where it has one), then L2-normalised so inner product is
+    cosine similarity."""
 
     def __init__(self, docs: Sequence[Document], encoder: Path | None = None, query_prefix: str = "",
                  doc_prefix: str = "", batch_size: int = 64) -> None:
         try:
             import faiss
+            from sentence_transformers import SentenceTransformer
         except ImportError as err:
-            raise ImportError("dense retrieval needs faiss-cpu: pip install 'scalinginter[dense]'") from err
-        import torch
-        from transformers import AutoModel, AutoTokenizer
+            raise ImportError("dense retrieval needs faiss-cpu and sentence-transformers: "
+                              "pip install 'scalinginter[dense]'") from err
 
         self.docs, self.query_prefix, self.batch_size = list(docs), query_prefix, batch_size
-        folder = encoder or default_encoder()
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModel.from_pretrained(folder).eval()
-        self._torch = torch
+        self.model = SentenceTransformer(str(encoder or default_encoder()), device="cpu")
         vectors = self.encode([f"{doc_prefix}{d.title}. {d.text}" for d in self.docs])
         self.index = faiss.IndexFlatIP(vectors.shape[1])
         self.index.add(vectors)
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        out = []
-        with self._torch.no_grad():
-            for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
-                                       max_length=256, return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).float()
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-                out.append(self._torch.nn.functional.normalize(pooled, dim=-1).numpy())
-        return np.concatenate(out).astype("float32")
+        vectors = self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True,
+                                    convert_to_numpy=True, show_progress_bar=False)
+        return np.asarray(vectors, dtype="float32")
 
     def search(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
         scores, ids = self.index.search(self.encode([self.query_prefix + q for q in queries]), min(k, len(self.docs)))
@@ -121,9 +113,17 @@ class DenseIndex:
 
 
 class RetrieveBody(BaseModel):
+    """Ours (``{queries, topk}``) or Search-R1's (``{queries, topk, return_scores}``, ``topk`` may be null)."""
+
     model_config = ConfigDict(extra="forbid")
     queries: Annotated[list[Annotated[str, Field(max_length=2000)]], Field(min_length=1, max_length=256)]
-    topk: Annotated[int, Field(ge=1, le=100)] = 3
+    topk: Annotated[int | None, Field(ge=1, le=100)] = 3
+    return_scores: bool | None = None  # present: answer in Search-R1's format
+
+
+def search_r1_contents(title: str, text: str) -> str:
+    """A document as Search-R1's corpus (wiki-18) stores it: the quoted title on the first line, then the text."""
+    return f'"{title}"\n{text}'
 
 
 def create_app(index: BM25Index | DenseIndex, method: str) -> FastAPI:
@@ -135,9 +135,17 @@ def create_app(index: BM25Index | DenseIndex, method: str) -> FastAPI:
 
     @app.post("/retrieve")
     def retrieve(body: RetrieveBody) -> dict[str, Any]:
-        hits = index.search(body.queries, body.topk)
-        return {"result": [[{"id": index.docs[i].doc_id, "title": index.docs[i].title, "text": index.docs[i].text,
-                             "score": round(score, 6)} for i, score in row] for row in hits]}
+        hits = index.search(body.queries, body.topk or 3)
+        if body.return_scores is None:  # ours: flat documents with their title, text and score
+            return {"result": [[{"id": index.docs[i].doc_id, "title": index.docs[i].title, "text": index.docs[i].text,
+                                 "score": round(score, 6)} for i, score in row] for row in hits]}
+        # Search-R1's: {id, contents} per document, wrapped with its score when return_scores is true
+        docs = [[({"id": index.docs[i].doc_id,
+                   "contents": search_r1_contents(index.docs[i].title, index.docs[i].text)}, score) for i, score in row]
+                for row in hits]
+        if body.return_scores:
+            return {"result": [[{"document": doc, "score": round(score, 6)} for doc, score in row] for row in docs]}
+        return {"result": [[doc for doc, _ in row] for row in docs]}
 
     return app
 
