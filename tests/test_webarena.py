@@ -15,7 +15,7 @@ from envs.launcher import running_server
 from envs.webarena.backend import Backend, load_tasks
 from envs.webarena.browser import ActionError, parse_action
 from envs.webarena.client import Client
-from envs.webarena.evaluators import EvaluatorConfigError, evaluate, program_html, string_match, url_match
+from envs.webarena.evaluators import EvaluatorConfigError, Judge, evaluate, program_html, string_match, url_match
 from envs.webarena.expert import find_id, solve
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -44,7 +44,6 @@ def test_evaluators_follow_webarena() -> None:
     assert string_match({"exact_match": "Shipped"}, " shipped ", "") == 1.0
     assert string_match({"exact_match": "Shipped"}, "It was shipped", "") == 0.0
     assert string_match({"must_include": ["water evenly", "mulch"]}, "Water evenly and mulch well.", "") == 1.0
-    assert string_match({"must_include": ["25 |OR| twenty-five"]}, "twenty-five votes", "") == 1.0
     assert string_match({"fuzzy_match": "N/A"}, "N/A", "") == 1.0
     with pytest.raises(EvaluatorConfigError, match="judge"):
         string_match({"fuzzy_match": ["a cat"]}, "a feline", "what animal?")
@@ -53,13 +52,13 @@ def test_evaluators_follow_webarena() -> None:
     assert url_match("http://h/a |OR| http://h/b", "http://h/b") == 1.0
     pages = {"http://h/cart": "Aster 13 Laptop x 1\nTotal: $899.00"}
     targets = [{"url": "http://h/cart", "locator": "", "required_contents": {"must_include": ["Aster 13 Laptop x 1"]}}]
-    assert program_html(targets, lambda url, loc: pages[url]) == 1.0
+    assert program_html(targets, lambda url, loc, prep: pages[url], "http://h/cart") == 1.0
     targets[0]["required_contents"] = {"exact_match": "nothing"}
-    assert program_html(targets, lambda url, loc: pages[url]) == 0.0
+    assert program_html(targets, lambda url, loc, prep: pages[url], "http://h/cart") == 0.0
     task = {"intent": "x", "eval": {"eval_types": ["string_match", "url_match"],
                                     "reference_answers": {"exact_match": "a"}, "reference_url": "http://h/x"}}
-    assert evaluate(task, "a", "http://h/x", lambda u, loc: "") == 1.0
-    assert evaluate(task, "a", "http://h/y", lambda u, loc: "") == 0.0  # the product of the evaluators
+    assert evaluate(task, "a", "http://h/x", lambda u, loc, prep: "") == 1.0
+    assert evaluate(task, "a", "http://h/y", lambda u, loc, prep: "") == 0.0  # the product of the evaluators
 
 
 def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
@@ -67,7 +66,7 @@ def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
     import threading
 
     import uvicorn
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Header
 
     from envs.launcher import free_port
 
@@ -75,9 +74,9 @@ def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
     seen: list[str] = []
 
     @app.post("/v1/chat/completions")
-    def chat(body: dict) -> dict:
+    def chat(body: dict, authorization: str = Header("")) -> dict:
         prompt = body["messages"][0]["content"]
-        seen.append(prompt)
+        seen.append(f"{body['model']} {authorization}\n{prompt}")
         verdict = "correct" if "feline" in prompt.split("Student answer:")[1] else "incorrect"
         return {"choices": [{"message": {"role": "assistant", "content": verdict}}]}
 
@@ -88,10 +87,12 @@ def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
     try:
         while not server.started:
             thread.join(0.05)
-        judge = f"http://127.0.0.1:{port}"
+        judge = Judge(f"http://127.0.0.1:{port}", "qwen-judge", "sk-test-123")
         assert string_match({"fuzzy_match": ["a cat"]}, "a feline", "what animal?", judge) == 1.0
         assert string_match({"fuzzy_match": ["a cat"]}, "a dog", "what animal?", judge) == 0.0
         assert "Reference answer: a cat" in seen[0]
+        assert seen[0].startswith("qwen-judge Bearer sk-test-123")  # the model and the key reach the judge
+        assert "sk-test-123" not in repr(judge)  # ... and never its repr (logs)
     finally:
         server.should_exit = True
         thread.join(10)

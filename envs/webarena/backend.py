@@ -15,7 +15,8 @@ so an episode reads the same in every run, whatever port the sites got.
 Options: ``tasks`` (a WebArena JSON file or a folder of them; default ``data/webarena/tasks.json``),
 ``chromium`` (executable, default ``/usr/bin/chromium``), ``max_contexts`` (live episodes, each one
 browser context; more is 503), ``memory_limit_mb`` (the browser's resident memory above which new episodes
-are refused with 503), ``judge_url`` (an OpenAI-compatible endpoint for ``fuzzy_match``), ``max_obs_chars``.
+are refused with 503), ``judge_url`` and ``judge_model`` (an OpenAI-compatible endpoint for ``fuzzy_match``; its
+API key from SCALINGINTER_JUDGE_API_KEY or OPENAI_API_KEY, never logged), ``max_obs_chars``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from envs.base import CapacityError, EnvError, Environment, EpisodeFinishedError
 from envs.paths import project_root
 from envs.webarena.browser import Action, ActionError, BrowserThread, ax_tree, element_center, parse_action
 from envs.webarena.egress import EgressProxy
-from envs.webarena.evaluators import EvaluatorConfigError, evaluate
+from envs.webarena.evaluators import EvaluatorConfigError, Judge, evaluate
 
 # The shipped shop and forum run on a free port; observations name them by this host, so the same
 # episode reads the same in every run (and the tokenizer corpus is reproducible).
@@ -221,14 +222,26 @@ class WebArenaEnv(Environment):
         elif action.kind == "go_forward":
             page.go_forward()
 
-    def _b_read(self, url: str, locator: str) -> str:
+    def _b_read(self, url: str, locator: str, prep_actions: list[str]) -> str:
+        """What a program_html target selects, as WebArena's harness reads it: the page's HTML for an empty
+        locator, else the JavaScript expression's value after the prep actions ("" when it fails)."""
         if url == "last":
             page, temporary = self._b_page(), False
         else:
+            if not self.backend.allowed(url):
+                raise EvaluationError(f"program_html target {url} is not one of this environment's sites")
             page, temporary = self.context.new_page(), True
             page.goto(url)
         try:
-            value = page.evaluate(f"() => {locator}") if locator else page.inner_text("body")
+            if not locator:
+                return page.content()
+            for action in prep_actions:
+                with contextlib.suppress(Exception):
+                    page.evaluate(f"() => {action}")
+            try:
+                value = page.evaluate(f"() => {locator}")
+            except Exception:  # the page is not what the locator expects: nothing selected
+                return ""
             return "" if value is None else str(value)
         finally:
             if temporary:
@@ -281,8 +294,8 @@ class WebArenaEnv(Environment):
         final_url = self.backend.browser.call(lambda: self._b_page().url)
         try:
             score = evaluate(self.task, answer, final_url,
-                             lambda url, locator: self.backend.browser.call(self._b_read, url, locator),
-                             self.backend.judge_url)
+                             lambda url, locator, prep: self.backend.browser.call(self._b_read, url, locator, prep),
+                             self.backend.judge)
         except EvaluatorConfigError as err:
             raise EvaluationError(str(err)) from err
         self.done = True
@@ -308,7 +321,8 @@ class Backend(BaseBackend):
     id_field = "env_idx"
 
     def __init__(self, tasks: str | None = None, chromium: str = "/usr/bin/chromium", max_contexts: int | str = 8,
-                 memory_limit_mb: float | str = 4096, judge_url: str | None = None, max_obs_chars: int | str = 12000,
+                 memory_limit_mb: float | str = 4096, judge_url: str | None = None, judge_model: str | None = None,
+                 max_obs_chars: int | str = 12000,
                  step_timeout_s: float | str = 20, **sites: str) -> None:
         if not Path(chromium).exists():
             raise FileNotFoundError(f"chromium not found at {chromium}: install Debian's chromium "
@@ -316,7 +330,7 @@ class Backend(BaseBackend):
         self.tasks_source = tasks or str(project_root() / "data" / "webarena" / "tasks.json")
         raw = load_tasks(self.tasks_source)
         self.max_contexts, self.memory_limit_mb = int(max_contexts), float(memory_limit_mb)
-        self.judge_url, self.max_obs_chars = judge_url, int(max_obs_chars)
+        self.judge, self.max_obs_chars = Judge.from_options(judge_url, judge_model), int(max_obs_chars)
         self.step_timeout_ms = float(step_timeout_s) * 1000
         known = {k.strip("_").lower(): k for k in PLACEHOLDERS}
         unknown = set(sites) - set(known)
