@@ -233,3 +233,34 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     written = json.loads((tmp_path / "runs/babyai/eval/outside/policy.json").read_text())
     assert written == json.loads(json.dumps(result)) and written["items"] == 6 and 0 <= written["success"] <= 1
     assert key not in (tmp_path / "runs/babyai/eval/outside/policy.json").read_text()
+
+
+def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_server, tiny_model_dir,
+                                                                  tmp_path) -> None:
+    """max_staleness 1: step t+1's rollout is sampled from the weights before step t's update (the rollout logs
+    say which weights served each step), the ratio against the sampler's log-probs; max_staleness 0 is the
+    on-policy run, bitwise the same as a run that never heard of the setting."""
+
+    from training.config import TrainConfig
+    from training.trainer import train_phase
+
+    url = env_server("babyai")
+    base = TrainConfig(engine="vllm", batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-3, mini_batch_size=4,
+                       micro_batch_size=4, sub_tasks=["GoTo"], kl_coef=0, old_logprobs="sampler")
+
+    def served_steps(out) -> list[int]:
+        return [json.loads((out / "rollouts" / f"step-{s:06d}.jsonl").read_text().splitlines()[0])["weights"]["step"]
+                for s in range(3)]
+
+    runs = {}
+    for name, config in (("default", base), ("zero", base.model_copy(update={"max_staleness": 0})),
+                         ("one", base.model_copy(update={"max_staleness": 1}))):
+        final = train_phase("babyai", 0, 2, 3, tiny_model_dir, tmp_path / name, config=config, url=url,
+                            policy_url=vllm_url)
+        runs[name] = ((final / "model.safetensors").read_bytes(), served_steps(tmp_path / name))
+    assert runs["zero"] == runs["default"] and runs["zero"][1] == [0, 1, 2]
+    assert runs["one"][1] == [0, 0, 1]  # each rollout one update behind
+    metrics = json.loads((tmp_path / "one" / "dvclive" / "metrics.json").read_text())
+    assert metrics["rollout"]["staleness"] == 1.0
+    with pytest.raises(ValueError, match="engine vllm"):
+        TrainConfig(max_staleness=1)

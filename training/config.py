@@ -55,6 +55,8 @@ class TrainConfig(BaseModel):
                                                        "moves on its own, generations batched by what is ready")
     async_batch: int | None = Field(None, ge=1, description="async: most trajectories per generation call (None: "
                                     "all that are ready)")
+    max_staleness: int = Field(0, ge=0, le=1, description="1: generate step t+1's rollout (on the vLLM server, "
+                               "with the weights before step t's update) while step t updates; 0: on-policy")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1.0: the full distribution)")
     # update
@@ -106,6 +108,11 @@ class TrainConfig(BaseModel):
         if self.strategy == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.strategy_check)")
+        if self.max_staleness and (self.engine != "vllm" or self.old_logprobs != "sampler"
+                                   or self.strategy != "torch"):
+            raise ValueError("max_staleness 1 overlaps the next rollout with this update: it needs engine vllm (the "
+                             "server keeps the older weights while the trainer changes its own), old_logprobs "
+                             "sampler (the ratio against the log-probs the sampler used) and the torch strategy")
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size {self.mini_batch_size} must be a multiple of micro_batch_size "
                              f"{self.micro_batch_size}")

@@ -195,6 +195,9 @@ class PhaseTrainer:
         else:
             engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
         self.stale = False  # the actor changed since the server's last sync
+        # max_staleness 1: the next step's rollout, generated while this step updates (its items already taken)
+        self.prefetched: tuple[int, Any, dict[str, Any]] | None = None
+        self._prefetcher: Any = None
         self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
             max_trajectory_tokens=config.max_trajectory_tokens, max_trajectory_seconds=config.max_trajectory_seconds,
@@ -321,7 +324,8 @@ class PhaseTrainer:
         return self.out_dir / "final"
 
     def close(self) -> None:
-        """Flush the metrics and let go of the policy server."""
+        """Flush the metrics, drop a prefetched rollout and let go of the policy server."""
+        self._drop_prefetched()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -333,11 +337,19 @@ class PhaseTrainer:
         cfg = self.config
         t0 = time.perf_counter()
         self.model.eval()
-        items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
-        stats = self._sync_policy()
-        result = self._rollout(items, step)
-        if cfg.log_rollouts and self.leader:
+        if self.prefetched is not None and self.prefetched[0] == step:  # generated while the last step updated
+            _, future, served = self.prefetched
+            self.prefetched = None
+            result = future.result()
+            stats = self._sync_policy() | {"rollout/staleness": 1.0}
+        else:
+            items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
+            stats = self._sync_policy() | ({"rollout/staleness": 0.0} if cfg.max_staleness else {})
             served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+            result = self._rollout(items, step)
+        if cfg.max_staleness and step + 1 < self.end_step:
+            self._prefetch(step + 1)
+        if cfg.log_rollouts and self.leader:
             write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step, served)
         self.ledger.generated_tokens += result.generated_tokens
         stats |= result.stats
@@ -368,6 +380,28 @@ class PhaseTrainer:
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
 
+    def _prefetch(self, step: int) -> None:
+        """Start ``step``'s rollout on a worker thread, sampled by the server from the weights it holds now (the
+        update that follows changes only the trainer's copy; the next sync waits for this rollout)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
+        items = self.data.take(self.config.batch_items)[self.strategy.rank::self.strategy.world_size]
+        served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+        self.prefetched = (step, self._prefetcher.submit(self._rollout, items, step), served)
+
+    def _drop_prefetched(self) -> None:
+        """Wait for and forget a prefetched rollout (the phase ends or rolls back); its items are given back."""
+        if self.prefetched is not None:
+            _, future, _ = self.prefetched
+            self.prefetched = None
+            future.exception()  # wait: its environment instances are closed by the rollout itself
+            self.data.position -= self.config.batch_items
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
+
     def _rollout(self, items: list[str], step: int) -> RolloutResult:
         """The step's rollout; one whose every trajectory hit an environment error is retried with backoff, then
         stops the phase (its last checkpoint resumes it): a dead server never yields a step of zeros."""
@@ -392,6 +426,8 @@ class PhaseTrainer:
         wait for it); the served version."""
         if self.config.engine != "vllm":
             return {}
+        if self.prefetched is not None:  # never change the server's weights under a rollout in flight
+            self.prefetched[1].exception()
         if self.stale:
             if self.sync is not None:
                 self.sync.push(self.model, self.global_step, save=self.strategy.save_model)
@@ -497,7 +533,8 @@ class PhaseTrainer:
         folder = self.out_dir / name
         state = {
             "global_step": self.global_step,
-            "data_position": self.data.position,
+            # a prefetched rollout is not kept: a resumed run takes its items again (and samples them on-policy)
+            "data_position": self.data.position - (self.config.batch_items if self.prefetched is not None else 0),
             "rng": {"torch": torch.get_rng_state()},
             "adaptive_history": self.history,
             # as JSON text: pickling the rows' floats would depend on which objects they share, so a resumed run's
