@@ -47,7 +47,7 @@ PARAMS: dict[str, Any] = {
     "task": {"max_expert_turns": 4, "sft_items": 1200, "eval_items": 500, "curve_items": 200},
     "warm": {"epochs": 2, "lr": 1.0e-3, "batch_size": 8},
     "pilot": {"caps": [1, 2, 4, 8, 20], "items": 200},
-    "train": {"batch_items": 16, "n_samples": 4, "lr": 2.0e-4, "max_new_tokens": 24, "temperature": 1.0,
+    "train": {"batch_items": 8, "n_samples": 4, "lr": 2.0e-4, "max_new_tokens": 24, "temperature": 1.0,
               "mini_batch_size": 32, "micro_batch_size": 16, "save_every": 4, "kl_coef": 0.001,
               "guard": {"enabled": False}},
     "eval": {"h": 10, "batch_items": 50, "curve_items": 100},
