@@ -28,6 +28,20 @@ REPLIES = {"babyai": "Thought: go.\nAction: go forward", "textcraft": "Thought: 
            "webarena": "Thought:\nlook further.\n\nAction:\nscroll [down]"}
 
 
+def _tree_usage(server: psutil.Process) -> tuple[int, int, int]:
+    """RSS, open files and sockets, and threads of the server and its children (a browser's renderers come and
+    go: one that exits while it is read is left out)."""
+    rss = files = threads = 0
+    for proc in [server, *server.children(recursive=True)]:
+        try:
+            rss += proc.memory_info().rss
+            files += len(proc.open_files()) + len(proc.net_connections())
+            threads += proc.num_threads()
+        except psutil.NoSuchProcess:
+            continue
+    return rss, files, threads
+
+
 def main() -> None:
     from envs.client import step_many
     from envs.launcher import running_server
@@ -63,11 +77,9 @@ def main() -> None:
                 client.close()
             episodes += len(clients)
             if time.monotonic() >= next_sample:
-                tree = [server, *server.children(recursive=True)]
+                rss, files, threads = _tree_usage(server)
                 sample = {"t_s": round(time.monotonic() - started), "episodes": episodes, "steps": steps,
-                          "rss_mb": round(sum(p.memory_info().rss for p in tree) / 2**20, 1),
-                          "open_files": sum(len(p.open_files()) + len(p.net_connections()) for p in tree),
-                          "threads": sum(p.num_threads() for p in tree),
+                          "rss_mb": round(rss / 2**20, 1), "open_files": files, "threads": threads,
                           "instances": httpx.get(f"{url}/health").json()["instances"]}
                 samples.append(sample)
                 print(json.dumps(sample), flush=True)
