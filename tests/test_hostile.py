@@ -180,6 +180,18 @@ def test_the_browser_reaches_only_the_environments_sites(own_server, env_server)
 
     backend = Backend()
     try:
+        import os
+
+        import psutil
+
+        browsers = []  # (command line, real uid) of this process's Chromium processes (renderers come and go)
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if proc.name().startswith("chrom"):
+                    browsers.append((proc.cmdline(), proc.uids().real))
+        assert browsers and all("--no-sandbox" not in cmd for cmd, _ in browsers)  # Chromium's own sandbox on
+        if os.geteuid() == 0:  # it refuses root: it runs as nobody
+            assert {uid for _, uid in browsers} == {65534}
         env = backend.new_instance()
         env.reset(0)
         page_fetch = "url => fetch(url, {mode: 'no-cors'}).then(r => 'reached ' + r.status, e => 'refused')"

@@ -322,7 +322,7 @@ class Backend(BaseBackend):
 
     def __init__(self, tasks: str | None = None, chromium: str = "/usr/bin/chromium", max_contexts: int | str = 8,
                  memory_limit_mb: float | str = 4096, judge_url: str | None = None, judge_model: str | None = None,
-                 max_obs_chars: int | str = 12000,
+                 max_obs_chars: int | str = 12000, sandbox: bool | str = True,
                  step_timeout_s: float | str = 20, **sites: str) -> None:
         if not Path(chromium).exists():
             raise FileNotFoundError(f"chromium not found at {chromium}: install Debian's chromium "
@@ -360,7 +360,7 @@ class Backend(BaseBackend):
         # every request of the browser, each hop of a redirect included, leaves through this filter
         self.egress = EgressProxy(self.allowed)
         self.egress.start()
-        self.browser = BrowserThread(chromium)
+        self.browser = BrowserThread(chromium, sandbox=str(sandbox).lower() not in ("false", "0", "no"))
 
     @property
     def capacity(self) -> int:

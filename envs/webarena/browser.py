@@ -7,14 +7,25 @@ instances from a thread pool; every browser call therefore runs on one dedicated
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+FLAGS = ["--headless", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+UNPRIVILEGED = 65534  # nobody: the user Chromium runs as when this process is root (its sandbox refuses root)
+_WRAPPER = """#!/bin/sh
+# Chromium as an unprivileged user, so its own sandbox (namespaces, seccomp) is on: it refuses root
+for a in "$@"; do case "$a" in --user-data-dir=*) chown -R {uid}:{uid} "${{a#--user-data-dir=}}";; esac; done
+exec setpriv --reuid={uid} --regid={uid} --clear-groups env HOME={home} {chromium} "$@"
+"""
 SKIP_ROLES = {"generic", "none", "InlineTextBox", "LineBreak", "paragraph", "list", "group", "main",
               "navigation", "Section", "ListMarker"}
 T = TypeVar("T")
@@ -86,21 +97,47 @@ def parse_action(text: str) -> Action:
 class BrowserThread:
     """One Chromium, one Playwright, one thread; ``call`` runs a function there and returns its result."""
 
-    def __init__(self, executable_path: str, headless: bool = True) -> None:
+    def __init__(self, executable_path: str, headless: bool = True, sandbox: bool = True) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="playwright")
         self.executable_path = executable_path
+        self._home: str | None = None
+        self.sandboxed = sandbox
         self.call(self._start, headless)
+
+    def _executable(self) -> str:
+        """Chromium itself, or (as root, where its sandbox will not start) a wrapper that runs it as nobody."""
+        if not self.sandboxed or os.geteuid() != 0:
+            return self.executable_path
+        if shutil.which("setpriv") is None:
+            raise RuntimeError("Chromium's sandbox refuses root and setpriv (util-linux) is missing to drop to an "
+                               "unprivileged user: install util-linux, run as another user, or set the webarena "
+                               "option sandbox=false (no OS sandbox for the browser)")
+        self._home = tempfile.mkdtemp(prefix="webarena-chromium-")
+        os.chown(self._home, UNPRIVILEGED, UNPRIVILEGED)
+        wrapper = Path(self._home + "-launch.sh")
+        wrapper.write_text(_WRAPPER.format(uid=UNPRIVILEGED, home=shlex.quote(self._home),
+                                           chromium=shlex.quote(self.executable_path)))
+        wrapper.chmod(0o700)
+        return str(wrapper)
 
     def _start(self, headless: bool) -> None:
         from playwright.sync_api import sync_playwright
 
         self.playwright = sync_playwright().start()
         try:
-            self.browser = self.playwright.chromium.launch(executable_path=self.executable_path, args=FLAGS,
-                                                           headless=headless)
+            flags = FLAGS if self.sandboxed else [*FLAGS, "--no-sandbox"]
+            self.browser = self.playwright.chromium.launch(executable_path=self._executable(), args=flags,
+                                                           headless=headless, chromium_sandbox=self.sandboxed)
         except Exception:
             self.playwright.stop()
+            self._cleanup()
             raise
+
+    def _cleanup(self) -> None:
+        if self._home is not None:
+            shutil.rmtree(self._home, ignore_errors=True)
+            Path(self._home + "-launch.sh").unlink(missing_ok=True)
+            self._home = None
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         return self._pool.submit(fn, *args).result()
@@ -116,6 +153,7 @@ class BrowserThread:
             self.call(_stop)
         finally:
             self._pool.shutdown(wait=True)
+            self._cleanup()
 
 
 def ax_tree(cdp: Any) -> tuple[str, dict[int, int]]:
