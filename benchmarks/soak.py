@@ -79,7 +79,8 @@ def main() -> None:
             if time.monotonic() >= next_sample:
                 rss, files, threads = _tree_usage(server)
                 sample = {"t_s": round(time.monotonic() - started), "episodes": episodes, "steps": steps,
-                          "rss_mb": round(rss / 2**20, 1), "open_files": files, "threads": threads,
+                          "rss_mb": round(rss / 2**20, 1), "server_rss_mb": round(server.memory_info().rss / 2**20, 1),
+                          "open_files": files, "threads": threads,
                           "instances": httpx.get(f"{url}/health").json()["instances"]}
                 samples.append(sample)
                 print(json.dumps(sample), flush=True)
