@@ -49,8 +49,8 @@ BENCHES = [
           ["benchmarks/replicas.py", "--trajectories", "64", "--h", "8", "--repeats", "2"],
           ">= 1.8x env-steps/s with 2 replicas; async vs lock-step >= 1.5x (vllm, SciWorld); 0 lost on a kill",
           r".*(speedup|lost).*"),
-    Bench("orchestration overhead per phase", ["benchmarks/orchestration_overhead.py", "--phases", "2"],
-          "a few seconds per phase", r"^overhead per phase.*", timeout_s=900),
+    Bench("orchestration overhead per phase", ["benchmarks/orchestration_overhead.py", "--phases", "3"],
+          "<= 1 s per phase after the first (which pays the imports)", r"^overhead per phase.*", timeout_s=900),
     Bench("trainer vs TRL (tokens/s)", ["benchmarks/trainer_vs_trl.py", "--batch", "8"],
           ">= TRL's GRPOTrainer at the same loss", r".*\[fp32\].*", needs="trl"),
     Bench("vllm engine vs hf engine", ["benchmarks/vllm_engine.py", "--prompts", "32", "--syncs", "3"],
@@ -82,7 +82,7 @@ def run(bench: Bench) -> dict[str, str]:
             "load": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
 
 
-def write(rows: list[dict[str, str]], out: Path) -> None:
+def write(rows: list[dict[str, str]], out: Path, note: str = "") -> None:
     from envs.files import atomic_write
 
     cores = os.cpu_count()
@@ -90,7 +90,7 @@ def write(rows: list[dict[str, str]], out: Path) -> None:
              f"Written by `make bench` (`python benchmarks/run_all.py`) on {dt.date.today().isoformat()}: "
              f"{platform.machine()}, {cores} cores, Python {platform.python_version()}. Load is the 1-minute load "
              "average before -> after each benchmark (other work on the machine shows there). Sizes are reduced to "
-             "fit ~20 minutes; each command runs alone at full size too.", "",
+             "fit ~20 minutes; each command runs alone at full size too.", *([note, ""] if note else [""]),
              "| benchmark | figure | target | command | seconds | load |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
               for r in rows]
@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="names (substrings) of the benchmarks to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--note", default="", help="a line about this run (e.g. what else the machine was doing)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     chosen = [b for b in BENCHES if not args.only or any(o in b.name for o in args.only)]
@@ -113,7 +114,7 @@ def main() -> None:
         print(f"== {bench.name}: python {' '.join(bench.args)}", flush=True)
         rows.append(run(bench))
         print(f"   {rows[-1]['figure']} ({rows[-1]['seconds']} s)", flush=True)
-    write(rows, args.out)
+    write(rows, args.out, args.note)
     print(f"wrote {args.out}")
 
 
