@@ -148,6 +148,18 @@ def _items() -> dict[str, Any]:
     return json.loads(Path("items.json").read_text())
 
 
+def base_model() -> Path:
+    """The tiny policy the warm start fine-tunes: SCALINGINTER_STUDY_BASE, else the project's models/tiny, built
+    there as `scalinginter build-model` builds it (seed 0, the recorded corpus) when a fresh clone has none."""
+    path = Path(os.environ.get("SCALINGINTER_STUDY_BASE") or ROOT / "models" / "tiny")
+    if not (path / "config.json").exists():
+        from envs.corpus import read_corpus
+        from training.model import build_tiny
+
+        build_tiny(read_corpus(ROOT / "data" / "tokenizer_corpus.json.gz"), path, seed=0)
+    return path
+
+
 def stage_warm(params: dict[str, Any]) -> None:
     from training.sft import SFTConfig, sft
 
@@ -155,7 +167,7 @@ def stage_warm(params: dict[str, Any]) -> None:
     episodes = list(_items()["sft"].values())
     if Path("warm").exists():
         shutil.rmtree("warm")
-    sft(ROOT / "models" / "tiny", Path("warm"), episodes,
+    sft(base_model(), Path("warm"), episodes,
         SFTConfig(epochs=warm["epochs"], lr=warm["lr"], batch_size=warm["batch_size"]), progress=True)
 
 

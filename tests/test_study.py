@@ -24,7 +24,9 @@ SPECS = {"fixed-1": {"schedule": [[1, 2]], "adaptive": False},
          "grow": {"schedule": [[1, 1], [2, 1]], "adaptive": False}}
 
 
-def test_each_arm_is_a_dvc_experiment_with_its_figures_and_a_rerun_skips_what_is_done(tmp_path) -> None:
+def test_each_arm_is_a_dvc_experiment_with_its_figures_and_a_rerun_skips_what_is_done(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch) -> None:
+    monkeypatch.setenv("SCALINGINTER_STUDY_BASE", str(tiny_model_dir))  # the stages' DVC subprocesses read it
     workspace, docs = tmp_path / "ws", tmp_path / "docs"
     run(workspace, [0], list(SPECS), docs=docs, params=SMALL, specs=SPECS)
     dvc = str(Path(sys.executable).parent / "dvc")
