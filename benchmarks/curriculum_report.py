@@ -107,6 +107,14 @@ def markdown(summary: dict[str, Any]) -> str:
                      f"{_pct(r['ci'][0])}-{_pct(r['ci'][1])} | {', '.join(_pct(s) for s in r['per_seed'])} | "
                      f"{_signed(d[0])} ({_signed(d[1])} to {_signed(d[2])}) | {r['rollout_tokens']:,.0f} | "
                      f"{r['train_seconds']:,.0f} | {r['turns_mean']:.2f} |")
+    buckets = sorted(summary["warm"]["by_expert_turns"])
+    if summary["table"] and buckets:
+        lines += ["", "Success by how many turns the expert needs (the small cap cannot reach 3-4):", "",
+                  "| | " + " | ".join(b.split("_")[1] + " turns" for b in buckets) + " |",
+                  "|---|" + "---|" * len(buckets),
+                  "| warm start | " + " | ".join(_pct(summary["warm"]["by_expert_turns"][b]) for b in buckets) + " |"]
+        lines += [f"| {r['label']} | " + " | ".join(_pct(r["by_expert_turns"].get(b, 0.0)) for b in buckets) + " |"
+                  for r in summary["table"]]
     if summary["pairs"]:
         lines += ["", "Paired differences between arms (points, bootstrap over items):", ""]
         for p in summary["pairs"]:
@@ -119,6 +127,9 @@ def markdown(summary: dict[str, Any]) -> str:
                   "steps (target <= 0.6)."]
     lines += ["", "Curves per arm (training success against steps and against cumulative rollout tokens) are in the "
               "HTML report's \"Curriculum study\" section (`scalinginter report`).", ""]
+    statement = Path(__file__).resolve().parents[1] / "docs" / "curriculum-study" / "statement.md"
+    if statement.exists():
+        lines += ["## What was and was not shown", "", statement.read_text().strip(), ""]
     return "\n".join(lines)
 
 

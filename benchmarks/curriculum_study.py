@@ -399,6 +399,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--arms", default=",".join(ARMS))
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
     if args.command == "stage":
         import torch
 
