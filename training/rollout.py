@@ -285,23 +285,31 @@ class Rollout:
                 break
         return time.perf_counter() - started
 
-    def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
-               step: int, round_idx: int) -> tuple[float, float, int]:
+    def _generate(self, trajectories: list[Trajectory], chosen: list[int], step: int, call: int
+                  ) -> tuple[list[str], float, int]:
+        """One engine call for the ``chosen`` trajectories (seeded by step and call), the turns appended as sampled;
+        returns their texts, the seconds it took and the tokens generated."""
         cfg = self.config
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                seed=cfg.seed * 1_000_003 + step * 1009 + round_idx)
-        t0 = time.perf_counter()
-        generations = self.engine.generate([trajectories[i].input_ids for i in active], params)
-        t1 = time.perf_counter()
+                                seed=cfg.seed * 1_000_003 + step * 1009 + call)
+        started = time.perf_counter()
+        generations = self.engine.generate([trajectories[i].input_ids for i in chosen], params)
+        seconds = time.perf_counter() - started
         texts = [self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
-        for i, g, text in zip(active, generations, texts, strict=True):
+        for i, g, text in zip(chosen, generations, texts, strict=True):
             trajectories[i].append_assistant(g.token_ids, g.logprobs)
             trajectories[i].messages.append({"role": "assistant", "content": text})
+        return texts, seconds, sum(len(g.token_ids) for g in generations)
+
+    def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
+               step: int, round_idx: int) -> tuple[float, float, int]:
+        texts, gen_s, tokens = self._generate(trajectories, active, step, round_idx)
+        t1 = time.perf_counter()
         outputs = self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active])
-        t2 = time.perf_counter()
+        env_s = time.perf_counter() - t1
         for i, text, out in zip(active, texts, outputs, strict=True):
             self._record(trajectories[i], text, out)
-        return t1 - t0, t2 - t1, sum(len(g.token_ids) for g in generations)
+        return gen_s, env_s, tokens
 
     def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
                     step: int) -> tuple[float, float, int]:
@@ -317,17 +325,10 @@ class Rollout:
             while ready or in_flight:
                 if ready:
                     batch, ready = ready[: cfg.async_batch or len(ready)], ready[cfg.async_batch or len(ready):]
-                    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                            top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + step * 1009 + calls)
+                    texts, seconds, generated = self._generate(trajectories, batch, step, calls)
                     calls += 1
-                    t0 = time.perf_counter()
-                    generations = self.engine.generate([trajectories[i].input_ids for i in batch], params)
-                    gen_s += time.perf_counter() - t0
-                    texts = [self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
-                    for i, g, text in zip(batch, generations, texts, strict=True):
-                        trajectories[i].append_assistant(g.token_ids, g.logprobs)
-                        trajectories[i].messages.append({"role": "assistant", "content": text})
-                        tokens += len(g.token_ids)
+                    gen_s += seconds
+                    tokens += generated
 
                     def steps(batch: list[int] = batch, texts: list[str] = texts) -> list[StepOutput]:
                         return self._step_round([clients[i] for i in batch], texts,

@@ -345,7 +345,7 @@ class PhaseTrainer:
         else:
             items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
             stats = self._sync_policy() | ({"rollout/staleness": 0.0} if cfg.max_staleness else {})
-            served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+            served = self._served()
             result = self._rollout(items, step)
         if cfg.max_staleness and step + 1 < self.end_step:
             self._prefetch(step + 1)
@@ -380,6 +380,10 @@ class PhaseTrainer:
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
 
+    def _served(self) -> dict[str, Any]:
+        """The weight version the vLLM server holds now, for the rollout log (nothing with the hf engine)."""
+        return {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+
     def _prefetch(self, step: int) -> None:
         """Start ``step``'s rollout on a worker thread, sampled by the server from the weights it holds now (the
         update that follows changes only the trainer's copy; the next sync waits for this rollout)."""
@@ -388,7 +392,7 @@ class PhaseTrainer:
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         items = self.data.take(self.config.batch_items)[self.strategy.rank::self.strategy.world_size]
-        served = {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
+        served = self._served()
         self.prefetched = (step, self._prefetcher.submit(self._rollout, items, step), served)
 
     def _drop_prefetched(self) -> None:
