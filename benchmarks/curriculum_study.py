@@ -98,6 +98,7 @@ def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> Non
     subprocess.run(["git", "config", "user.name", "curriculum study"], cwd=workspace, check=True)
     if _dvc(workspace, "init", "-q") != 0:
         raise SystemExit(f"dvc init failed in {workspace}")
+    _dvc(workspace, "config", "core.analytics", "false")  # no report file per command left in /tmp
     (workspace / "params.yaml").write_text(yaml.safe_dump(params or PARAMS, sort_keys=False))
     stages = {name: {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
               for name, stage in STAGES.items()}

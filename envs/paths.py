@@ -30,3 +30,36 @@ def project_root() -> Path:
     if (cwd / "params.yaml").exists() and (cwd / "dvc.yaml").exists():
         return cwd
     return PACKAGE_ROOT
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new private temp dir ``<prefix><pid>-<random>``, after removing the ones that dead processes left.
+
+    A process killed outright (SIGKILL, the OOM killer, a lost machine) cannot remove its scratch dirs; the
+    next process that makes one with the same prefix removes every ``<prefix><pid>-*`` whose pid is gone, so
+    such leftovers (a browser profile, a weight-sync checkpoint) do not pile up in /tmp run after run."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(f"{prefix}*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one included; someone else's counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -12,6 +12,7 @@ import pytest
 from envs.launcher import running_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub (this machine has none)
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # else the test workspaces' DVC leaves a file per command in /tmp
 
 
 def pytest_configure(config: pytest.Config) -> None:

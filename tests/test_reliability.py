@@ -11,11 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from envs.launcher import ROOT, start_server, stop_server
+from envs.paths import scratch_dir
 from training.checkpoint import MANIFEST, CheckpointError
 from training.config import TrainConfig
 from training.rollout import RolloutResult, rollout_stats, write_rollout_log
@@ -215,3 +219,23 @@ def running_server_for_kills():
     from envs.launcher import running_server
 
     return running_server("babyai", idle_ttl_s=30)
+
+
+def test_scratch_dirs_of_killed_processes_are_swept_but_a_live_ones_stay() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    prefix = f"test-scratch-{uuid.uuid4().hex[:8]}-"
+    base = Path(tempfile.gettempdir())
+    stale_dir, stale_file = base / f"{prefix}{dead.pid}-abc", base / f"{prefix}{dead.pid}-abc-launch.sh"
+    stale_dir.mkdir()
+    (stale_dir / "state").write_text("left by a SIGKILL")
+    stale_file.write_text("#!/bin/sh")
+    live = scratch_dir(prefix)  # this process's own
+    try:
+        again = scratch_dir(prefix)
+        assert not stale_dir.exists() and not stale_file.exists()
+        assert live.is_dir() and again.is_dir() and live != again
+        assert live.name.startswith(f"{prefix}{os.getpid()}-")
+    finally:
+        for path in base.glob(f"{prefix}*"):
+            shutil.rmtree(path, ignore_errors=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import random
 import re
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from envs.paths import pid_alive
 from envs.splits import load_split
 from training.advantages import flat_rows, masked_mean
 from training.checkpoint import (
@@ -596,7 +596,7 @@ def remove_stale_staging(out_dir: Path) -> list[Path]:
         for path in [*folder.glob(".tmp-*"), *folder.glob(".old-*")] if folder.exists() else []:
             # .tmp-<name>-<pid>[-state] (one writer) or .tmp-<name> (ranks share it); .old-<name>-<pid>
             match = re.fullmatch(r"\.(?:tmp|old)-(?:step-\d+|final)(?:-(\d+))?(?:-state)?", path.name)
-            if match is None or (match.group(1) and _alive(int(match.group(1)))):
+            if match is None or (match.group(1) and pid_alive(int(match.group(1)))):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -604,18 +604,6 @@ def remove_stale_staging(out_dir: Path) -> list[Path]:
         log.warning("removed %d staging folders left by an interrupted checkpoint write: %s", len(removed),
                     ", ".join(p.name for p in removed))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import httpx
 import torch
 
 from envs.launcher import ROOT, free_port, wait_healthy
+from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
 from training.engine import Generation, SamplingParams
@@ -258,7 +259,7 @@ class WeightSync:
         if len(probe_ids) < 2:
             raise ValueError("the probe needs at least two tokens")
         self.engine, self.probe_ids, self.tolerance = engine, list(probe_ids), tolerance
-        self.workdir = Path(tempfile.mkdtemp(prefix="scalinginter-sync-"))
+        self.workdir = scratch_dir("scalinginter-sync-")
         self.version: WeightVersion | None = None
         self.syncs = 0
 

@@ -11,12 +11,13 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from envs.paths import scratch_dir
 
 FLAGS = ["--headless", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -112,7 +113,7 @@ class BrowserThread:
             raise RuntimeError("Chromium's sandbox refuses root and setpriv (util-linux) is missing to drop to an "
                                "unprivileged user: install util-linux, run as another user, or set the webarena "
                                "option sandbox=false (no OS sandbox for the browser)")
-        self._home = tempfile.mkdtemp(prefix="webarena-chromium-")
+        self._home = str(scratch_dir("webarena-chromium-"))
         os.chown(self._home, UNPRIVILEGED, UNPRIVILEGED)
         wrapper = Path(self._home + "-launch.sh")
         wrapper.write_text(_WRAPPER.format(uid=UNPRIVILEGED, home=shlex.quote(self._home),
