@@ -75,7 +75,9 @@ STAGES = {
     "warm_eval": {"cmd": "{py} {me} stage warm_eval", "params": ["eval", "train.max_new_tokens"],
                   "deps": ["items.json", "warm"], "metrics": [{"warm_eval.json": {"cache": False}}]},
     "train": {"cmd": "{py} {me} stage train", "params": ["train", "arm"], "deps": ["items.json", "warm"],
-              "outs": [{"arms/${arm.name}-s${arm.seed}/phases": {"persist": True}}],
+              # not persisted: `dvc exp run` checks out (deletes) an output that has no hash yet, so the resume
+              # checkpoints live in scratch/ (not an output) and the phases' finals are copied here at the end
+              "outs": ["arms/${arm.name}-s${arm.seed}/phases"],
               "metrics": [{"arms/${arm.name}-s${arm.seed}/train.json": {"cache": False}}]},
     "eval": {"cmd": "{py} {me} stage eval", "params": ["eval", "arm", "train.max_new_tokens"],
              "deps": ["items.json", "warm", "arms/${arm.name}-s${arm.seed}/phases"],
@@ -88,9 +90,29 @@ def _dvc(workspace: Path, *args: str) -> int:
     return subprocess.call([dvc, *args], cwd=workspace)
 
 
+IGNORED = "/warm-state/\n/scratch/\n"  # the SFT's optimizer state, the arms' resume checkpoints: not the record
+
+
+def _stages() -> dict[str, Any]:
+    return {"stages": {name: {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
+                       for name, stage in STAGES.items()}}
+
+
 def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> None:
-    """Create the study's git + DVC project (once; later calls leave it as it is) with ``params`` (default PARAMS)."""
+    """Create the study's git + DVC project with ``params`` (default PARAMS); an existing one keeps its params
+    and gets this version's stages (committed when they changed)."""
     if (workspace / ".dvc").exists():
+        (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(), sort_keys=False))
+        ignore = workspace / ".gitignore"
+        missing = [line for line in IGNORED.splitlines() if line not in ignore.read_text().splitlines()]
+        if missing:
+            ignore.write_text(ignore.read_text() + "".join(f"{line}\n" for line in missing))
+        changed = subprocess.run(["git", "status", "--porcelain", "dvc.yaml", ".gitignore"], cwd=workspace,
+                                 check=True, capture_output=True, text=True).stdout.strip()
+        if changed:
+            subprocess.run(["git", "add", "dvc.yaml", ".gitignore"], cwd=workspace, check=True)
+            subprocess.run(["git", "commit", "-q", "-m", "the study's stages of this version", "--", "dvc.yaml",
+                            ".gitignore"], cwd=workspace, check=True)
         return
     workspace.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=workspace, check=True)
@@ -100,10 +122,8 @@ def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> Non
         raise SystemExit(f"dvc init failed in {workspace}")
     _dvc(workspace, "config", "core.analytics", "false")  # no report file per command left in /tmp
     (workspace / "params.yaml").write_text(yaml.safe_dump(params or PARAMS, sort_keys=False))
-    stages = {name: {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
-              for name, stage in STAGES.items()}
-    (workspace / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    (workspace / ".gitignore").write_text("/warm-state/\n")  # the SFT's optimizer state: not the study's record
+    (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(), sort_keys=False))
+    (workspace / ".gitignore").write_text(IGNORED)
     subprocess.run(["git", "add", "-A"], cwd=workspace, check=True)
     subprocess.run(["git", "commit", "-q", "-m", "curriculum study workspace"], cwd=workspace, check=True)
 
@@ -258,14 +278,19 @@ def stage_train(params: dict[str, Any]) -> None:
     config = TrainConfig(items=items, seed=arm["seed"], log_rollouts=False, skip_flat_steps=True,
                          drop_flat_groups=True, **train)
     rule = AdaptiveRule(**ADAPTIVE_RULE) if arm["adaptive"] else None
-    phases_dir = _arm_dir(params) / "phases"
+    scratch, phases_dir = Path("scratch") / _arm_dir(params).name, _arm_dir(params) / "phases"
     init, rows = Path("warm"), []
     with running_server("babyai") as url:
         for index, (h, steps) in enumerate(arm["schedule"]):
             last = index == len(arm["schedule"]) - 1
-            final = train_phase("babyai", index, h, steps, init, phases_dir / f"phase-{index}", config=config,
+            final = train_phase("babyai", index, h, steps, init, scratch / f"phase-{index}", config=config,
                                 url=url, progress=True, adaptive=None if last else rule)
             init = final
+    shutil.rmtree(phases_dir, ignore_errors=True)
+    for index in range(len(arm["schedule"])):  # the record: each phase's final policy and its metrics
+        for part in ("final", "final-state", "dvclive"):  # final-state: the manifest lists its files
+            if (scratch / f"phase-{index}" / part).exists():
+                shutil.copytree(scratch / f"phase-{index}" / part, phases_dir / f"phase-{index}" / part)
     cumulative = 0
     for index in range(len(arm["schedule"])):
         folder = phases_dir / f"phase-{index}"
