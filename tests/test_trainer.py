@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,8 @@ def _sigkill_and_resume(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     _run(_train_cmd(url, tiny_model_dir, tmp_path / "b0", 0, 2, 2))
     assert _weights(tmp_path / "b0" / "final") == _weights(tmp_path / "a0" / "final")
     _kill_after_checkpoint(_train_cmd(url, tmp_path / "b0" / "final", tmp_path / "b1", 1, 4, 3), tmp_path / "b1", 4)
+    for logs in ("dvclive", "rollouts"):  # as `dvc exp run` does to the persistent outputs of an unfinished stage
+        shutil.rmtree(tmp_path / "b1" / logs)
     _run(_train_cmd(url, tmp_path / "b0" / "final", tmp_path / "b1", 1, 4, 3))
     assert _weights(tmp_path / "b1" / "final") == _weights(tmp_path / "a1" / "final")
     assert _weights(tmp_path / "a1" / "final") != _weights(tmp_path / "a0" / "final")  # it did train
@@ -86,6 +89,8 @@ def _sigkill_and_resume(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     assert manifest["hash"] == read_manifest(tmp_path / "a1" / "final")["hash"]  # same content, same identity
     rows = (tmp_path / "b1" / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
     assert [r.split("\t")[0] for r in rows[1:]] == ["2", "3", "4"]  # steps re-run after the kill logged once
+    assert sorted(p.name for p in (tmp_path / "b1" / "rollouts").glob("*.jsonl")) == \
+        [f"step-{s:06d}.jsonl" for s in (2, 3, 4)]  # the step before the kill from the checkpoint's own copy
 
 
 def test_a_corrupted_checkpoint_is_refused(env_server, tiny_model_dir, tmp_path) -> None:

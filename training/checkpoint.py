@@ -156,6 +156,8 @@ def replace_folder(new: Path, folder: Path) -> None:
 
 def _fsync_dir(folder: Path) -> None:
     for path in folder.iterdir():
+        if not path.is_file():  # an intermediate checkpoint's logs/ copy: not part of its content
+            continue
         with path.open("rb") as f:
             os.fsync(f.fileno())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import random
 import re
@@ -171,6 +172,8 @@ class PhaseTrainer:
         self.leader = self.strategy.rank == 0  # only rank 0 logs metrics and writes the shared files
         if self.leader:
             remove_stale_staging(out_dir)
+            if resume is not None:
+                restore_logs(resume / LOGS, out_dir)
         self.metrics = Metrics(out_dir / "dvclive", resume_at=self.global_step if resume else None) \
             if self.leader else None
         if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
@@ -569,6 +572,8 @@ class PhaseTrainer:
             if name == "final":
                 (tmp / "README.md").write_text(model_card(record, self.last_stats))
             torch.save(state, tmp / STATE)
+            if name.startswith("intermediate"):
+                snapshot_logs(self.out_dir, tmp / LOGS)
             if self.critic is not None:
                 self.critic.save(tmp)
 
@@ -586,6 +591,39 @@ class PhaseTrainer:
                 prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
         self.strategy.barrier()
         return folder
+
+
+#: a subfolder of an intermediate checkpoint (outside its manifest and hash): the phase's logs up to that step
+LOGS = "logs"
+
+
+def snapshot_logs(out_dir: Path, dest: Path) -> None:
+    """Copy the phase's metrics (dvclive/) and hard-link its rollout logs into ``dest``, so a resume has them even
+    when the phase folder's logs are gone: ``dvc exp run`` checks a stage's outputs out before rerunning it, and
+    deletes a persistent output that has no hash yet (a phase killed before its end), so the first steps'
+    metrics and rollouts would be lost from the resumed phase."""
+    if (out_dir / "dvclive").exists():
+        shutil.copytree(out_dir / "dvclive", dest / "dvclive")
+    (dest / "rollouts").mkdir(parents=True)
+    for log in (out_dir / "rollouts").glob("step-*.jsonl"):
+        try:
+            os.link(log, dest / "rollouts" / log.name)  # written atomically, never changed in place: a link is safe
+        except OSError:
+            shutil.copy2(log, dest / "rollouts" / log.name)
+
+
+def restore_logs(snapshot: Path, out_dir: Path) -> None:
+    """Bring back the logs a resumed checkpoint saw: its dvclive/ replaces the phase's (rows of later steps are
+    rerun anyway) and the rollout logs missing from the phase folder come back."""
+    if not snapshot.is_dir():  # a checkpoint of an older version
+        return
+    if (snapshot / "dvclive").is_dir():
+        shutil.rmtree(out_dir / "dvclive", ignore_errors=True)
+        shutil.copytree(snapshot / "dvclive", out_dir / "dvclive")
+    (out_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    for log in (snapshot / "rollouts").glob("step-*.jsonl"):
+        if not (out_dir / "rollouts" / log.name).exists():
+            shutil.copy2(log, out_dir / "rollouts" / log.name)
 
 
 def remove_stale_staging(out_dir: Path) -> list[Path]:
