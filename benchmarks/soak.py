@@ -1,7 +1,7 @@
 """Soak: continuous episodes against one environment server for a while; the server's RSS, open files and
 threads sampled as it goes, so a leak shows as a slope.
 
-    python benchmarks/soak.py --env babyai --minutes 30 [--episodes 16] [--every 30]
+    python benchmarks/soak.py --env babyai --minutes 30 [--episodes 16] [--every 30] [--option KEY=VALUE]
 
 ``--episodes`` episodes run at once, each created, reset on a random item, stepped with the environment's
 own example actions (``/available_actions``, or a fixed reply) up to 10 turns, then closed, and again,
@@ -52,9 +52,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a backend option for the server, e.g. sciworld's java_opts")
     args = parser.parse_args()
     rng = random.Random(0)
-    with running_server(args.env) as url:
+    options = dict(o.split("=", 1) for o in args.option)
+    with running_server(args.env, **options) as url:
         import httpx
 
         health = httpx.get(f"{url}/health").json()
@@ -80,6 +83,8 @@ def main() -> None:
                 rss, files, threads = _tree_usage(server)
                 sample = {"t_s": round(time.monotonic() - started), "episodes": episodes, "steps": steps,
                           "rss_mb": round(rss / 2**20, 1), "server_rss_mb": round(server.memory_info().rss / 2**20, 1),
+                          "children_rss_mb": sorted(round(c.memory_info().rss / 2**20, 1)
+                                                    for c in server.children(recursive=True) if c.is_running()),
                           "open_files": files, "threads": threads,
                           "instances": httpx.get(f"{url}/health").json()["instances"]}
                 samples.append(sample)
@@ -89,6 +94,7 @@ def main() -> None:
         last = samples[-1]
         print(json.dumps({"env": args.env, "minutes": args.minutes, "episodes": episodes, "steps": steps,
                           "rss_growth_mb": round(last["rss_mb"] - warm["rss_mb"], 1),
+                          "server_rss_growth_mb": round(last["server_rss_mb"] - warm["server_rss_mb"], 1),
                           "open_files_growth": last["open_files"] - warm["open_files"],
                           "threads_growth": last["threads"] - warm["threads"],
                           "instances_left": last["instances"]}), flush=True)

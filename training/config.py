@@ -22,6 +22,15 @@ class ConfigError(ValueError):
     """params.yaml is missing something or holds a bad value; the message names the key."""
 
 
+class MixShare(BaseModel):
+    """One environment's part in a mixed run (``train.mix.<env>``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    weight: float = Field(1.0, gt=0, description="its share of each step's items (by weight, at least one item)")
+    max_h: int | None = Field(None, ge=1, description="its own turn cap: the phase's h clipped to it")
+    sub_tasks: list[str] | None = Field(None, description="its items from these sub-tasks only")
+
+
 class TrainConfig(BaseModel):
     """Everything one curriculum phase needs besides its h and step count."""
 
@@ -39,6 +48,8 @@ class TrainConfig(BaseModel):
     # data
     split: str = "train"
     sub_tasks: list[str] | None = Field(None, description="train only on these sub-tasks (e.g. ['GoTo'])")
+    mix: dict[str, MixShare] = Field(default_factory=dict, description="a mixed run's environments (--env a,b,c): "
+                                     "each one's weight, turn cap and sub-tasks; weight 1, no cap where unnamed")
     items: list[str] | None = Field(None, description="train on exactly these item ids instead of the split "
                                     "(e.g. a curriculum's easy items); recorded with the checkpoint's config")
     batch_items: int = Field(4, ge=1, description="items per training step")

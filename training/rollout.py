@@ -75,6 +75,7 @@ class RolloutResult:
     stats: dict[str, float] = field(default_factory=dict)
 
     failed_attempts: list[Trajectory] = field(default_factory=list)  # lost with a dead replica, then rolled again
+    failed_envs: list[str] = field(default_factory=list)  # a mixed run's environments with no valid trajectory
 
     @property
     def valid(self) -> list[Trajectory]:

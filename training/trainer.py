@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from training.experience import Experience, collate, estimate_advantages, sequen
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
+from training.mixed import MixedData, MixedRollout, allocation, mixed_envs, mixed_rollout, parse_urls, shares
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
 from training.strategy import make_strategy
@@ -110,9 +112,10 @@ class PhaseTrainer:
     """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
-                 config: TrainConfig, url: str, adaptive: AdaptiveRule | None = None, policy_url: str | None = None,
-                 probe_tolerance: float = 1e-3) -> None:
+                 config: TrainConfig, url: str | Mapping[str, str], adaptive: AdaptiveRule | None = None,
+                 policy_url: str | None = None, probe_tolerance: float = 1e-3) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
+        self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.mixed)
         self.adaptive = adaptive
         self.out_dir = out_dir
         for folder in ("intermediate", "rollouts"):  # exist even for a 1-step phase or without rollout logs
@@ -168,7 +171,9 @@ class PhaseTrainer:
         else:
             self.first_step, self.parent = self.global_step, folder_hash(init_checkpoint)
             self.ledger = Ledger()
-        self.data = DataStream(env, config, int(state.get("data_position", 0)))
+        position = int(state.get("data_position", 0))
+        self.data = DataStream(env, config, position) if len(self.envs) == 1 else \
+            MixedData(self.envs, config, position)
         self.leader = self.strategy.rank == 0  # only rank 0 logs metrics and writes the shared files
         if self.leader:
             remove_stale_staging(out_dir)
@@ -201,11 +206,14 @@ class PhaseTrainer:
         # max_staleness 1: the next step's rollout, generated while this step updates (its items already taken)
         self.prefetched: tuple[int, Any, dict[str, Any]] | None = None
         self._prefetcher: Any = None
-        self.rollout = Rollout(env, url, engine, self.tokenizer, RolloutConfig(
+        rollout_config = RolloutConfig(
             n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
             max_trajectory_tokens=config.max_trajectory_tokens, max_trajectory_seconds=config.max_trajectory_seconds,
             mode=config.rollout_mode, async_batch=config.async_batch,
-            temperature=config.temperature, top_p=config.top_p, seed=config.seed))
+            temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+        self.rollout: Rollout | MixedRollout = (
+            Rollout(env, url, engine, self.tokenizer, rollout_config) if len(self.envs) == 1 and isinstance(url, str)
+            else mixed_rollout(self.envs, parse_urls(self.envs, url), engine, self.tokenizer, rollout_config, config))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:
         """``candidate`` if it continues this very run (same parent, h, steps and config), else None.
@@ -414,12 +422,18 @@ class PhaseTrainer:
         stops the phase (its last checkpoint resumes it): a dead server never yields a step of zeros."""
         result = self.rollout.run(items, self.h, step=step)
         for attempt in range(self.config.failed_rollout_retries):
-            if result.valid:
+            if result.valid and not result.failed_envs:
                 break
             log.warning("step %d: every trajectory hit an environment error; rolling out again in %d s", step,
                         2**attempt)
             time.sleep(2**attempt)
             result = self.rollout.run(items, self.h, step=step)
+        if result.failed_envs:  # a mixed run never trains on the other environments alone
+            first = next((t.error for t in result.trajectories if t.error), "no trajectories")
+            raise EnvironmentFailure(
+                f"step {step}: every trajectory of {', '.join(result.failed_envs)} hit environment errors in "
+                f"{self.config.failed_rollout_retries + 1} tries (first: {first}); servers: {self.rollout.url}. "
+                "The phase stops (it does not train on the other environments alone); rerun it to resume")
         if not result.valid:
             first = next((t.error for t in result.trajectories if t.error), "no trajectories")
             raise EnvironmentFailure(
@@ -656,7 +670,8 @@ def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]
 
 
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
-                config: TrainConfig, url: str, progress: bool = False, adaptive: AdaptiveRule | None = None,
+                config: TrainConfig, url: str | Mapping[str, str], progress: bool = False,
+                adaptive: AdaptiveRule | None = None,
                 policy_url: str | None = None, probe_tolerance: float = 1e-3) -> Path:
     """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
 
@@ -669,7 +684,14 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
     if (final / MANIFEST).exists():
         read_manifest(final, verify=True)
         return final
-    check_capacity(url, config.batch_items * config.n_samples)
+    envs = mixed_envs(env)
+    if len(envs) == 1 and isinstance(url, str):
+        check_capacity(url, config.batch_items * config.n_samples)
+    else:  # each environment's servers hold that environment's share of a step
+        urls, counts = parse_urls(envs, url), allocation({e: s.weight for e, s in shares(envs, config).items()},
+                                                         config.batch_items)
+        for e in envs:
+            check_capacity(urls[e], counts[e] * config.n_samples)
     while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
         trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
                                probe_tolerance)

