@@ -246,8 +246,9 @@ def train_phase_cmd(
                                                   "(default: models/<model.preset>)")] = None,
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL, or comma-separated replicas "
-                                                 "(default: start env_server.replicas)")] = None,
+                                            help="environment server URL, or comma-separated replicas; for "
+                                                 "several environments (ENV a,b,c) ENV=URL pairs joined by ';' "
+                                                 "(default: start env_server.replicas of each)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value (repeatable; ad-hoc "
                                                                   "runs only: a pipeline's settings live in "
                                                                   "params.yaml)")] = None,
@@ -277,9 +278,15 @@ def train_phase_cmd(
         server_config,
         train_config,
     )
+    from training.mixed import mixed_envs
     from training.phase import run_phase
 
-    _check_env(env)
+    try:
+        envs = mixed_envs(env)
+    except ValueError as err:
+        _fail(str(err))
+    for name in envs:
+        _check_env(name)
     nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
     if nproc > 1 and "LOCAL_RANK" not in os.environ:  # one process per device: relaunch under torchrun
         import subprocess
@@ -296,6 +303,7 @@ def train_phase_cmd(
         spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
                          init=Path(init) if init else base_model_dir(params),
                          train=train_config(env, profile, overrides, params), server=server_config(env, params),
+                         servers={e: server_config(e, params) for e in envs} if len(envs) > 1 else {},
                          policy_server=policy_server_config(params),
                          adaptive=adaptive_rule(env, phase, profile, params) if adaptive else None)
     except (ConfigError, ValueError) as err:

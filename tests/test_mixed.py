@@ -5,11 +5,14 @@ failing environment stops the phase instead of training on the others alone."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from envs.launcher import start_server, stop_server
+from envs.launcher import ROOT, start_server, stop_server
 from envs.splits import load_split
 from training.checkpoint import checkpoint_hash, read_manifest
 from training.config import MixShare, TrainConfig
@@ -84,3 +87,19 @@ def test_a_failing_environment_stops_the_mixed_phase_naming_it(env_server, tiny_
                                                  r".*does not train on the other environments alone"):
         trainer.run()
     assert not (tmp_path / "final").exists()
+
+
+@pytest.mark.slow
+def test_the_cli_trains_a_mixed_phase_on_servers_it_starts_and_stops(tiny_model_dir, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "flows.cli", "train-phase", "babyai,textcraft", "--h", "2", "--steps", "1",
+           "--init", str(tiny_model_dir), "--out", str(tmp_path / "p"), "--set", "batch_items=2", "--set",
+           "n_samples=2", "--set", "max_new_tokens=8", "--set", "mini_batch_size=4", "--set", "micro_batch_size=4",
+           "--set", 'mix={"babyai": {"sub_tasks": ["GoTo"]}, "textcraft": {"max_h": 1}}']
+    env = {k: v for k, v in os.environ.items() if k != "SCALINGINTER_ENV_URL"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = _metrics(tmp_path / "p")
+    assert (metrics["babyai"]["curriculum"]["h"], metrics["textcraft"]["curriculum"]["h"]) == (2, 1)
+    assert read_manifest(tmp_path / "p" / "final")["env"] == "babyai,textcraft"
+    bad = subprocess.run([*cmd[:4], "babyai,textcraf", *cmd[5:]], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown environment 'textcraf'" in bad.stdout + bad.stderr

@@ -316,6 +316,7 @@ class PhaseSpec(BaseModel):
     out: Path
     train: TrainConfig
     server: ServerConfig
+    servers: dict[str, ServerConfig] = {}  # a mixed run's (env a,b,c) server settings per environment (else server)
     policy_server: PolicyServerConfig = PolicyServerConfig()  # the vllm engine's server (train.engine: vllm)
     adaptive: AdaptiveRule | None = None  # the curriculum's adaptive mode (never on its last phase)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from envs.launcher import running_replicas
 from training.checkpoint import MANIFEST
 from training.config import PhaseSpec
+from training.mixed import mixed_envs, parse_urls
 from training.trainer import train_phase
 
 
@@ -22,7 +23,13 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
     the vLLM server at ``policy_url`` or from one started here on the phase's parent checkpoint (every server
     started here is always stopped). Resumes an interrupted phase; returns its final checkpoint folder."""
     with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_replicas(spec.env, **spec.server.launch_kwargs()))
+        envs = mixed_envs(spec.env)
+        if len(envs) > 1:  # a mixed run: each environment's own servers (ENV=URL pairs, or started here)
+            base: str | dict[str, str] = parse_urls(envs, url) if url else {
+                e: stack.enter_context(running_replicas(e, **spec.servers.get(e, spec.server).launch_kwargs()))
+                for e in envs}
+        else:
+            base = url or stack.enter_context(running_replicas(spec.env, **spec.server.launch_kwargs()))
         if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / MANIFEST).exists():
             from training.vllm_engine import running_vllm
 
