@@ -366,6 +366,58 @@ def sft(
 
 
 @app.command()
+def rft(
+    env: EnvArg,
+    init: Annotated[str | None, typer.Option(help="policy to start from (default: models/<model.preset>)")] = None,
+    out: Annotated[str, typer.Option(help="folder of the rounds: round-<r>/ and round-<r>.jsonl")] = "runs/rft",
+    rounds: Annotated[int, typer.Option(help="sample -> keep successes -> SFT rounds")] = 2,
+    k: Annotated[int, typer.Option(help="episodes sampled per item each round")] = 4,
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    keep: Annotated[str, typer.Option(help="all successful episodes, or each item's shortest")] = "all",
+    temperature: Annotated[float, typer.Option(help="sampling temperature")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
+    epochs: Annotated[int, typer.Option(help="SFT passes over each round's kept episodes")] = 3,
+    lr: Annotated[float, typer.Option(help="SFT learning rate")] = 1e-3,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL (default: start one)")] = None,
+) -> None:
+    """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
+    successful ones and SFT on them; a rerun continues after the last finished round."""
+    import contextlib
+    from pathlib import Path
+
+    from envs.launcher import running_replicas
+    from training.config import SFTConfig, base_model_dir, load_params, server_config
+    from training.rft import RFTConfig
+    from training.rft import rft as run_rft
+    from training.sft import sft_items
+
+    _check_env(env)
+    params = load_params()
+    try:
+        config = RFTConfig(rounds=rounds, k=k, h=h, keep=keep, temperature=temperature,
+                           max_new_tokens=max_new_tokens, sft=SFTConfig(epochs=epochs, lr=lr))
+    except ValueError as err:
+        _fail(str(err))
+    ids = sft_items(env, items, sub_tasks=sub_task)
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
+        try:
+            folders = run_rft(Path(init) if init else base_model_dir(params), Path(out), env, base, ids, config,
+                              progress=True)
+        except (ValueError, RuntimeError) as err:
+            _fail(str(err))
+    from training.checkpoint import read_manifest
+
+    for folder in folders:
+        m = read_manifest(folder)
+        console.print(f"round {m['round']}: kept {m['kept']} of {m['sampled']} episodes (sampling success "
+                      f"{m['sample_success']:.1%}) -> {folder}")
+
+
+@app.command()
 def pipeline(check: Annotated[bool, typer.Option(help="only check that they agree with params.yaml")] = False
              ) -> None:
     """Write phases.yaml and dvc.yaml from params.yaml (one DVC stage per curriculum phase)."""

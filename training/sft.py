@@ -68,8 +68,9 @@ def to_trajectory(messages: list[dict[str, str]], tokenizer: Any, group: int = 0
 
 
 def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config: SFTConfig,
-        progress: bool = False) -> Path:
-    """Fine-tune ``init`` on ``conversations``; write an atomic checkpoint to ``out``; return it."""
+        progress: bool = False, record: dict[str, Any] | None = None) -> Path:
+    """Fine-tune ``init`` on ``conversations``; write an atomic checkpoint to ``out``; return it. ``record`` adds
+    to (or overrides, e.g. ``kind``) the manifest's fields."""
     device = resolve_device(config.device)
     if (Path(init) / MANIFEST).exists():  # a checkpoint or a base model written here: verified before it is loaded
         read_manifest(Path(init), verify=True)
@@ -110,9 +111,10 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
         tokenizer.save_pretrained(tmp)
         torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)  # RL keeps close to the SFT policy
 
-    record = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
-              "episodes_over_max_tokens": dropped, "final_loss": losses[-1], "first_loss": losses[0]}
-    write_checkpoint(out, write, record, export=True)
+    fields = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
+              "episodes_over_max_tokens": dropped, "final_loss": losses[-1], "first_loss": losses[0],
+              **(record or {})}
+    write_checkpoint(out, write, fields, export=True)
     return out
 
 

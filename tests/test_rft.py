@@ -1,0 +1,69 @@
+"""Rejection-sampling fine-tuning (issue 21): on the bandit, from a 50/50 warm start, a round of sample ->
+keep the successes -> SFT raises the sampled success on items it never saw; the round's manifest and kept
+episodes give its lineage; a rerun continues instead of redoing a round."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envs.launcher import ROOT
+from training.checkpoint import checkpoint_hash, folder_hash, read_manifest
+from training.config import SFTConfig
+from training.evaluate import evaluate
+from training.rft import RFTConfig, rft, select
+from training.trajectory import Trajectory
+
+TRAIN, HELD_OUT = [f"bandit_{i}" for i in range(8)], [f"bandit_{i}" for i in range(40, 56)]
+
+
+def test_select_keeps_successes_all_or_each_items_shortest() -> None:
+    def episode(item: str, turns: int, success: bool) -> Trajectory:
+        t = Trajectory(item_id=item, group=0, sample=turns, input_ids=[1] * turns)
+        t.turns = [object()] * turns  # type: ignore[list-item]
+        t.finish("done")
+        t.success = success
+        return t
+
+    runs = [episode("a", 3, True), episode("a", 2, True), episode("a", 1, False), episode("b", 4, True)]
+    assert [(t.item_id, len(t.turns)) for t in select(runs, "all")] == [("a", 3), ("a", 2), ("b", 4)]
+    assert [(t.item_id, len(t.turns)) for t in select(runs, "shortest")] == [("a", 2), ("b", 4)]
+
+
+@pytest.mark.slow
+def test_a_round_of_rejection_sampling_raises_success_on_held_out_items(env_server, bandit_warm_start,
+                                                                        tmp_path) -> None:
+    url = env_server("bandit")
+    config = RFTConfig(rounds=1, k=4, h=1, max_new_tokens=16, sft=SFTConfig(epochs=3, lr=1e-3, batch_size=8))
+    before = evaluate(bandit_warm_start, "bandit", url, HELD_OUT, h=1, k=4, temperature=1.0, max_new_tokens=16)
+    [round0] = rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN, config)
+    after = evaluate(round0, "bandit", url, HELD_OUT, h=1, k=4, temperature=1.0, max_new_tokens=16)
+    print(f"sampled success on held-out items: {before.success_rate:.3f} -> {after.success_rate:.3f}")
+    assert 0.2 < before.success_rate < 0.8  # the warm start picks either door
+    assert after.success_rate > before.success_rate + 0.15, (before.success_rate, after.success_rate)
+    manifest = read_manifest(round0, verify=True)
+    assert (manifest["kind"], manifest["round"], manifest["sampled"]) == ("rft", 0, 32)
+    assert manifest["parent"] == folder_hash(bandit_warm_start) and 0 < manifest["kept"] <= 32
+    kept = [json.loads(line) for line in (tmp_path / "round-0.jsonl").open()]
+    assert len(kept) == manifest["kept"] and all(k["success"] and k["policy"] == manifest["parent"] for k in kept)
+    assert all(k["messages"][-1]["role"] == "assistant" and "right" in k["messages"][-1]["content"] for k in kept)
+    # a rerun with one more round continues from round 0 (verified, not redone)
+    identity = checkpoint_hash(round0)
+    rounds = rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN, config.model_copy(update={"rounds": 2}))
+    assert checkpoint_hash(rounds[0]) == identity and read_manifest(rounds[1])["parent"] == identity
+
+
+@pytest.mark.slow
+def test_the_cli_runs_rounds_on_a_server_it_starts(bandit_warm_start, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "flows.cli", "rft", "bandit", "--init", str(bandit_warm_start), "--out",
+           str(tmp_path), "--rounds", "1", "--k", "2", "--items", "4", "--h", "1", "--max-new-tokens", "16"]
+    env = {k: v for k, v in os.environ.items() if k != "SCALINGINTER_ENV_URL"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 0: kept" in done.stdout and read_manifest(tmp_path / "round-0")["sampled"] == 8
+    bad = subprocess.run([*cmd, "--keep", "longest"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "keep" in bad.stdout + bad.stderr

@@ -1,0 +1,122 @@
+"""Rejection-sampling fine-tuning (AgentEvol-style self-improvement): rounds of sample k episodes per item with
+the current policy -> keep the successful ones (all, or each item's shortest) -> SFT on them -> the next round
+samples from the result.
+
+    rft(Path("models/tiny"), Path("runs/rft"), "babyai", url, items, RFTConfig(rounds=2, k=4, h=6))
+
+Each round is a checkpoint ``round-<r>/`` (its manifest: kind ``rft``, the parent it sampled from, how many
+episodes were sampled and kept, the sampling success rate) with the kept episodes beside it in
+``round-<r>.jsonl`` (item, reward, turns, termination, messages and the sampling policy's hash), so the lineage
+says what each round trained on. A finished round is not redone: a rerun continues after the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.files import atomic_write
+from training.checkpoint import MANIFEST, folder_hash, read_manifest
+from training.config import SFTConfig
+from training.devices import resolve_device
+from training.engine import HFEngine
+from training.model import load_policy
+from training.rollout import Rollout, RolloutConfig
+from training.sft import sft
+from training.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class RFTConfig(BaseModel):
+    """Settings of a rejection-sampling run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rounds: int = Field(2, ge=1, description="sample -> keep -> SFT rounds, each from the last one's policy")
+    k: int = Field(4, ge=1, description="episodes sampled per item each round")
+    h: int = Field(6, ge=1, description="turn cap of the sampled episodes")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (greedy would give k equal episodes)")
+    max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
+    keep: Literal["all", "shortest"] = Field("all", description="every successful episode, or each item's "
+                                             "shortest (fewest turns) one")
+    batch_items: int = Field(8, ge=1, description="items rolled out at once")
+    seed: int = 0
+    sft: SFTConfig = SFTConfig()
+
+
+def select(trajectories: list[Trajectory], keep: str) -> list[Trajectory]:
+    """The successful trajectories, all or each item's shortest (fewest turns, then fewest tokens)."""
+    won = [t for t in trajectories if t.valid and t.success]
+    if keep == "all":
+        return won
+    best: dict[str, Trajectory] = {}
+    for t in won:
+        if t.item_id not in best or (len(t.turns), len(t.input_ids)) < (len(best[t.item_id].turns),
+                                                                         len(best[t.item_id].input_ids)):
+            best[t.item_id] = t
+    return [best[i] for i in sorted(best)]
+
+
+def _training_messages(t: Trajectory) -> list[dict[str, str]]:
+    """The episode up to its last reply (the final observation is not trained on)."""
+    messages = list(t.messages)
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return messages
+
+
+def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig, round_: int) -> list[Trajectory]:
+    """``config.k`` episodes per item from ``policy`` at temperature ``config.temperature``."""
+    model, tokenizer = load_policy(policy, resolve_device(config.sft.device))
+    model.eval()
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout = Rollout(env, url, engine, tokenizer, RolloutConfig(
+        n_samples=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+        seed=config.seed * 1000 + round_))
+    out: list[Trajectory] = []
+    for start in range(0, len(items), config.batch_items):
+        out += rollout.run(items[start:start + config.batch_items], config.h, step=round_).trajectories
+    return out
+
+
+def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFTConfig,
+        progress: bool = False) -> list[Path]:
+    """Run (or continue) ``config.rounds`` rounds from ``init`` into ``out/round-<r>``; the rounds' checkpoints."""
+    if not items:
+        raise ValueError("rejection sampling got no items: give the item ids to sample on")
+    out.mkdir(parents=True, exist_ok=True)
+    policy, rounds = Path(init), []
+    for r in range(config.rounds):
+        folder = out / f"round-{r}"
+        if (folder / MANIFEST).exists():  # done in an earlier run: verified, then the next round starts from it
+            read_manifest(folder, verify=True)
+            policy = folder
+            rounds.append(folder)
+            continue
+        sampled = sample(policy, env, url, items, config, r)
+        errors = sum(1 for t in sampled if not t.valid)
+        if errors == len(sampled):
+            first = next((t.error for t in sampled if t.error), "?")
+            raise RuntimeError(f"round {r}: all {len(sampled)} episodes hit environment errors (first: {first}); "
+                               f"is the {env} server at {url} up?")
+        kept = select(sampled, config.keep)
+        rate = sum(1 for t in sampled if t.valid and t.success) / max(1, len(sampled) - errors)
+        if not kept:
+            raise ValueError(f"round {r}: none of the {len(sampled)} episodes sampled from {policy} succeeded (h="
+                             f"{config.h}, k={config.k}): sample more (k, items), raise h, or warm-start with SFT")
+        parent = folder_hash(policy)
+        atomic_write(out / f"round-{r}.jsonl", "".join(
+            json.dumps({"env": env, "round": r, "policy": parent, **t.log_record(), "messages": _training_messages(t)})
+            + "\n" for t in kept))
+        log.info("round %d: kept %d of %d episodes (sampling success %.1f%%)", r, len(kept), len(sampled), 100 * rate)
+        record: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h, "rft": config.model_dump(),
+                                  "sampled": len(sampled), "kept": len(kept), "env_errors": errors,
+                                  "sample_success": rate, "kept_file": f"round-{r}.jsonl"}
+        sft(policy, folder, [_training_messages(t) for t in kept], config.sft, progress=progress, record=record)
+        policy = folder
+        rounds.append(folder)
+    return rounds
