@@ -418,6 +418,59 @@ def rft(
 
 
 @app.command()
+def dpo(
+    env: EnvArg,
+    init: Annotated[str | None, typer.Option(help="policy to start from, also the frozen reference "
+                                                  "(default: models/<model.preset>)")] = None,
+    out: Annotated[str, typer.Option(help="checkpoint folder to write (pairs in <out>.pairs.jsonl)")] = "runs/dpo",
+    k: Annotated[int, typer.Option(help="episodes sampled per item to make pairs")] = 4,
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
+    epochs: Annotated[int, typer.Option(help="passes over the pairs")] = 3,
+    lr: Annotated[float, typer.Option(help="learning rate")] = 5e-5,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL (default: start one)")] = None,
+) -> None:
+    """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
+    on the assistant tokens against the frozen starting policy."""
+    import contextlib
+    from pathlib import Path
+
+    from envs.launcher import running_replicas
+    from training.config import base_model_dir, load_params, server_config
+    from training.dpo import DPOConfig, preference_pairs
+    from training.dpo import dpo as run_dpo
+    from training.rft import RFTConfig, sample
+    from training.sft import sft_items
+
+    _check_env(env)
+    params = load_params()
+    try:
+        config, sampling = DPOConfig(beta=beta, epochs=epochs, lr=lr), RFTConfig(k=k, h=h,
+                                                                                   max_new_tokens=max_new_tokens)
+    except ValueError as err:
+        _fail(str(err))
+    policy = Path(init) if init else base_model_dir(params)
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
+        with console.status(f"sampling {k} episodes on each of {items} {env} items"):
+            pairs = preference_pairs(sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0),
+                                     config.max_pairs_per_item, config.seed)
+    try:
+        path = run_dpo(policy, Path(out), pairs, config, progress=True)
+    except ValueError as err:
+        _fail(str(err))
+    from training.checkpoint import read_manifest
+
+    m = read_manifest(path)
+    console.print(f"DPO on {m['pairs']} pairs of {m['items']} items: loss {m['first_loss']:.3f} -> "
+                  f"{m['final_loss']:.3f}, {m['accuracy_after']:.0%} of pairs preferred the right way -> {path}")
+
+
+@app.command()
 def pipeline(check: Annotated[bool, typer.Option(help="only check that they agree with params.yaml")] = False
              ) -> None:
     """Write phases.yaml and dvc.yaml from params.yaml (one DVC stage per curriculum phase)."""
