@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 
 from envs.registry import SERVED, TESTING, UnknownEnvironmentError
+from training.config import MIXED
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter-RL agent training pipeline.")
 console = Console()
@@ -36,6 +37,8 @@ def _fail(message: str) -> None:
 
 
 def _check_env(env: str) -> None:
+    if env == MIXED:  # the pipeline's run of one policy over params.yaml mixed.envs
+        return
     if env not in SERVED and env not in TESTING:
         _fail(str(UnknownEnvironmentError(f"unknown environment {env!r}: choose one of {', '.join(SERVED)}")))
 
@@ -666,7 +669,9 @@ def report(
 
 @app.command()
 def run(
-    env: Annotated[str, typer.Option(help="environment whose curriculum to train")] = "sciworld",
+    env: Annotated[str, typer.Option(help="environment whose curriculum to train; several joined by commas "
+                                          "(babyai,textcraft,deepsearch): one policy over all of them, the "
+                                          "pipeline's mixed run")] = "sciworld",
     profile: Annotated[str, typer.Option(help="params.yaml profile")] = "smoke",
     record: Annotated[str, typer.Option(help="how the lineage is kept: commit (dvc.lock on this branch), exp (a DVC "
                                              "experiment) or none")] = "commit",
@@ -679,11 +684,22 @@ def run(
     from flows.scalinginter_flow import scalinginter
     from training.config import ConfigError
 
-    _check_env(env)
+    overrides: dict[str, object] = {}
+    names = [e.strip() for e in env.split(",") if e.strip()]
+    for name in names:
+        _check_env(name)
+    if len(names) > 1:  # one policy over several environments: the pipeline's mixed run, on these
+        from training.config import load_params
+
+        if len(set(names)) != len(names):
+            _fail(f"--env {env}: name each environment once")
+        listed = list(load_params().get("pipeline", {}).get("envs", []))
+        env, overrides = MIXED, {"mixed.envs": names, "pipeline.envs": listed + [MIXED] * (MIXED not in listed)}
     if record not in ("commit", "exp", "none"):
         _fail(f"--record must be commit, exp or none, not {record!r}")
     try:
-        result = scalinginter(env=env, profile=profile, record=record, push=push)  # type: ignore[arg-type]
+        result = scalinginter(env=env, profile=profile, record=record, push=push,  # type: ignore[arg-type]
+                              overrides=overrides)
     except ConfigError as err:
         _fail(str(err))
     evaluation = result["evaluation"]

@@ -27,11 +27,13 @@ from envs.files import atomic_write
 from envs.paths import project_root
 from envs.registry import SERVED
 from training.config import (
+    MIXED,
     ConfigError,
     adaptive_rule,
     curriculum_config,
     eval_config,
     load_params,
+    mixed_components,
     parse_params,
     server_config,
     train_config,
@@ -116,22 +118,25 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
         train_server = ["policy_server"] if train_config(env, profile, params=params).engine == "vllm" else []
         eval_server = ["policy_server"] if eval_config(env, profile, params).engine == "vllm" else []
         run, parent, parent_state = Run(env), BASE, []
-        train_deps = [f"data/{env}/train.json", f"envs/{env}", *TRAIN_CODE]
+        components = mixed_components(env, params)  # [env], or the environments of the mixed run
+        mixed = [MIXED + ".envs", *(f"curriculum.{e}.cap" for e in components)] if env == MIXED else []
+        train_deps = [*(f"data/{e}/train.json" for e in components), *(f"envs/{e}" for e in components), *TRAIN_CODE]
         for name in phases:
             index = int(name.split("_")[1])
-            cmd = (f"{CLI} train-phase {env} --phase {index} --h ${{{env}.{name}.h}} --steps ${{{env}.{name}.steps}} "
+            cmd = (f"{CLI} train-phase {','.join(components)} --phase {index} --h ${{{env}.{name}.h}} "
+                   f"--steps ${{{env}.{name}.steps}} "
                    f"--init {parent} --out {run.phase(index)} --profile ${{curriculum.profile}}"
                    + (" --adaptive" if "adaptive" in phases[name] else ""))
             out[f"{env}_{name}"] = _phase_stage(cmd, run, index, [parent, *parent_state, *train_deps],
                                                 [{"phases.yaml": [f"{env}.{name}"]}, f"train.{profile}",
-                                                 "curriculum.profile", *train_server])
+                                                 "curriculum.profile", *mixed, *train_server])
             parent, parent_state = str(run.final(index)), [str(run.state(index))]
         finals = [str(run.final(int(name.split("_")[1]))) for name in phases]
         last = list(phases)[-1]
-        eval_deps = [f"data/{env}/test.json", f"envs/{env}", *EVAL_CODE]
+        eval_deps = [*(f"data/{e}/test.json" for e in components), *(f"envs/{e}" for e in components), *EVAL_CODE]
         # the turn cap is the last phase's h; the context budget is training's unless eval sets its own
         eval_params = [f"eval.{profile}", f"train.{profile}", "curriculum.profile",
-                       {"phases.yaml": [f"{env}.{last}.h"]}, *eval_server]
+                       {"phases.yaml": [f"{env}.{last}.h"]}, *mixed, *eval_server]
         out[f"{env}_eval"] = {
             "cmd": f"{CLI} eval {env} --profile ${{curriculum.profile}}",
             "deps": [BASE, *finals, *eval_deps],

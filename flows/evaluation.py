@@ -21,15 +21,18 @@ from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import read_manifest
 from training.config import (
+    MIXED,
     ConfigError,
     base_model_dir,
     curriculum_config,
     eval_config,
     load_params,
+    mixed_components,
     policy_server_config,
     server_config,
+    train_config,
 )
-from training.evaluate import evaluate_checkpoints
+from training.evaluate import evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
 from training.vllm_engine import running_vllm
 
@@ -80,8 +83,26 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     config = eval_config(env, profile, params)
     # the same cap for the curriculum and its baselines: the curriculum's last h, so runs compare
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
-    items = stratified_head(load_split(env, "test"), config.items)
     folders = checkpoints(env, profile, root, baseline)
+    if env == MIXED:
+        result = _run_mixed_eval(params, profile, config, h, url, folders, progress)
+    else:
+        result = _run_single_eval(env, params, config, h, url, folders, progress)
+    for name, folder in folders.items():
+        manifest = folder / "manifest.json"
+        result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
+        result["checkpoints"][name]["path"] = str(folder.relative_to(root))
+    run = Run(env, baseline, root)
+    run.eval_dir.mkdir(parents=True, exist_ok=True)
+    per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
+    _write(run.eval_per_item, per_item)
+    _write(run.eval_metrics, result)
+    return result
+
+
+def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url: str | None,
+                     folders: dict[str, Path], progress: Callable[[str], None] | None) -> dict[str, Any]:
+    items = stratified_head(load_split(env, "test"), config.items)
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         # k live instances per item; a simulator or browser pool bounds how many items run at once
@@ -98,16 +119,28 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
                                       batch_items=batch_items, progress=progress, context_budget=budget,
                                       device=config.device, policy_url=policy_url,
                                       probe_tolerance=server.probe_tolerance)
-    for name, folder in folders.items():
-        manifest = folder / "manifest.json"
-        result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
-        result["checkpoints"][name]["path"] = str(folder.relative_to(root))
-    run = Run(env, baseline, root)
-    run.eval_dir.mkdir(parents=True, exist_ok=True)
-    per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
-    _write(run.eval_per_item, per_item)
-    _write(run.eval_metrics, result)
     return result
+
+
+def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h: int, url: str | None,
+                    folders: dict[str, Path], progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """The mixed run's checkpoints on every environment's own test items, each at the run's h clipped to that
+    environment's cap (as in training)."""
+    from training.mixed import parse_urls
+
+    if config.engine == "vllm":
+        raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
+    envs = mixed_components(MIXED, params)
+    caps = {e: s.max_h for e, s in train_config(MIXED, profile, params=params).mix.items()}
+    with contextlib.ExitStack() as stack:
+        urls = parse_urls(envs, url) if url else {
+            e: stack.enter_context(running_replicas(e, **server_config(e, params).launch_kwargs())) for e in envs}
+        parts = {e: (urls[e], stratified_head(load_split(e, "test"), config.items), min(h, caps.get(e) or h))
+                 for e in envs}
+        return evaluate_mixed_checkpoints(folders, parts, k=config.k, temperature=config.temperature,
+                                          max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                          batch_items=config.batch_items, progress=progress,
+                                          context_budget=config.context_budget or 8192, device=config.device)
 
 
 def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path, profile: str | None = None,

@@ -27,7 +27,7 @@ from training.layout import Run
 from training.model import PRESETS
 
 ENV_NAMES = {"webarena": "WebArena", "deepsearch": "Deep Search", "textcraft": "TextCraft", "babyai": "BabyAI",
-             "sciworld": "SciWorld"}
+             "sciworld": "SciWorld", "mixed": "Mixed (one policy over several environments)"}
 CURVES = ["reward/mean", "success/rate", "turns/mean", "actor/entropy", "actor/kl", "actor/pg_loss",
           "curriculum/h", "env/errors"]
 TEMPLATE = Path(__file__).with_name("report_template.html")
@@ -47,6 +47,9 @@ def _curves(run: Path) -> dict[str, list[list[float]]]:
         plots = phase / "dvclive" / "plots" / "metrics"
         reasons = sorted((plots / "rollout" / "termination").glob("*.tsv"))
         names = CURVES + [f"rollout/termination/{p.stem}" for p in reasons]
+        # a mixed run: each environment's own curves beside the totals
+        names += [f"{e}/{n}" for e in ENV_NAMES if (plots / e).is_dir()
+                  for n in ("success/rate", "reward/mean", "turns/mean", "curriculum/h", "env/errors")]
         for name in names:
             path = plots / f"{name}.tsv"
             if path.exists():

@@ -41,6 +41,7 @@ from training.config import (
     curriculum_config,
     eval_config,
     load_params,
+    mixed_components,
     policy_server_config,
     server_config,
     train_config,
@@ -96,10 +97,22 @@ holds the working copy (a second fails at once, naming the holder)."""
 def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool,
          env_urls: list[str] | None = None) -> dict[str, Any]:
     phases = curriculum_config(env, profile, params).phases()
+    components = mixed_components(env, params)  # [env], or the environments of the mixed run
     if env_urls:  # servers that already run (other machines): used as they are, never torn down here
-        url, pids = ",".join(env_urls), []
-    else:
+        url, pids = (",".join(env_urls) if len(components) == 1 else ";".join(env_urls)), []
+    elif len(components) == 1:
         url, pids = provision_env_server(env, server_config(env, params))
+    else:  # each environment's own servers, passed on as ENV=URL pairs
+        urls, pids = {}, []
+        try:
+            for e in components:
+                urls[e], started = provision_env_server(e, server_config(e, params))
+                pids += started
+        except BaseException:
+            for pid in pids:
+                teardown_server(pid)
+            raise
+        url = ";".join(f"{e}={u}" for e, u in urls.items())
     policy_url, policy_pid = None, None
     try:
         train, evaluation = train_config(env, profile, params=params), eval_config(env, profile, params)

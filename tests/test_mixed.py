@@ -103,3 +103,33 @@ def test_the_cli_trains_a_mixed_phase_on_servers_it_starts_and_stops(tiny_model_
     assert read_manifest(tmp_path / "p" / "final")["env"] == "babyai,textcraft"
     bad = subprocess.run([*cmd[:4], "babyai,textcraf", *cmd[5:]], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown environment 'textcraf'" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_a_mixed_curriculum_over_three_environments(tmp_path) -> None:
+    """`scalinginter run --env babyai,textcraft,deepsearch`: the pipeline's mixed run (two one-step phases), its
+    servers provisioned and torn down by the flow, evaluated per environment, reported, lineage intact."""
+    from tests.test_pipeline import _sh, _workspace
+
+    work = _workspace(tmp_path, envs="babyai", one_step_phases=1)  # and its evaluation: 2 items x 1 sample
+    cmd = [str(Path(sys.executable).parent / "scalinginter"), "run", "--env", "babyai,textcraft,deepsearch",
+           "--profile", "smoke", "--record", "none"]
+    environ = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+               "COLUMNS": "200"}
+    environ.pop("SCALINGINTER_ENV_URL", None)
+    done = subprocess.run(cmd, cwd=work, env=environ, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "done: 2 phases" in done.stdout
+    manifest = read_manifest(work / "runs/mixed/phase-1/final")
+    assert manifest["env"] == ENVS and manifest["parent"] == checkpoint_hash(work / "runs/mixed/phase-0/final")
+    assert manifest["config"]["mix"]["deepsearch"]["max_h"] == 4  # its own cap, from curriculum.deepsearch.cap
+    evaluation = json.loads((work / "runs/mixed/eval/metrics.json").read_text())
+    assert set(evaluation["envs"]) == set(ENVS.split(","))
+    for checkpoint in evaluation["checkpoints"].values():
+        assert set(checkpoint["sub_tasks"]) == set(ENVS.split(","))  # each environment's own figures
+    lock = (work / "dvc.lock").read_text()
+    assert "mixed_phase_1" in lock and "mixed.envs" in lock  # the mixture is a param of the phases
+    report = (work / "reports/mixed.html").read_text()
+    assert "textcraft/success/rate" in report
+    assert "disagreement" not in _sh(work, "scalinginter", "lineage", "mixed")

@@ -182,13 +182,37 @@ def _profile_values(params: dict[str, Any], key: str, env: str, profile: str | N
     return profile, {**section, **per_env}
 
 
+#: the pipeline's name for its run of one policy over several environments (params.yaml ``mixed.envs``)
+MIXED = "mixed"
+
+
+def mixed_components(env: str, params: dict[str, Any]) -> list[str]:
+    """The environments ``env`` trains on: ``mixed.envs`` for the pipeline's ``mixed`` run, the names of a
+    comma-joined ``env`` (``babyai,textcraft``), else ``[env]``."""
+    if env == MIXED:
+        names = list((params.get(MIXED) or {}).get("envs") or [])
+        if len(names) < 2 or len(set(names)) != len(names):
+            raise ConfigError(f"params.yaml mixed.envs must list two or more distinct environments, not {names}")
+        return names
+    return [e.strip() for e in env.split(",") if e.strip()] or [env]
+
+
 def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,
                  params: dict[str, Any] | None = None) -> TrainConfig:
     """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``."""
     params = load_params() if params is None else params
-    profile, values = _profile_values(params, "train", env, profile)
+    components = mixed_components(env, params)
+    profile, values = _profile_values(params, "train", MIXED if len(components) > 1 else env, profile)
+    values = {**values, **(overrides or {})}
+    if len(components) > 1:  # each environment keeps its own cap: curriculum.<env>.cap unless mix sets max_h
+        caps = {e: (params.get("curriculum", {}).get(e) or {}).get("cap") for e in components}
+        mix = {e: dict(v) for e, v in (values.get("mix") or {}).items()}
+        for e, cap in caps.items():
+            if cap is not None:
+                mix.setdefault(e, {}).setdefault("max_h", cap)
+        values["mix"] = mix
     try:
-        return TrainConfig(**{**values, **(overrides or {})})
+        return TrainConfig(**values)
     except ValidationError as err:
         raise ConfigError(f"train.{profile} (env {env}) in params.yaml, with overrides {overrides}: {err}") from err
 
@@ -339,8 +363,10 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
         adaptive = adaptive_rule(env, index, profile, params)
     else:
         h, steps, init = fixed_h, curriculum_config(env, profile, params).total_steps, base_model_dir(params, root)
-    return PhaseSpec(env=env, index=index, h=h, steps=steps, init=init, out=run.phase(index),
+    components = mixed_components(env, params)  # the mixed run trains on its environments, joined by commas
+    return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=init, out=run.phase(index),
                      train=train_config(env, profile, params=params), server=server_config(env, params),
+                     servers={e: server_config(e, params) for e in components} if len(components) > 1 else {},
                      policy_server=policy_server_config(params), adaptive=adaptive)
 
 

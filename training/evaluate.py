@@ -195,3 +195,32 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
                           policy_url=policy_url, probe_tolerance=probe_tolerance)
         out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
     return out
+
+
+def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tuple[str, list[dict[str, Any]], int]],
+                               k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
+                               progress: Callable[[str], None] | None = None, context_budget: int = 8192,
+                               device: str = "cpu") -> dict[str, Any]:
+    """:func:`evaluate_checkpoints` for one policy over several environments: ``parts`` maps each environment to
+    (its server URL, its test items, its turn cap). Each checkpoint is evaluated on every environment; the
+    summary pools all items (tagged ``<env>:<id>``) and its ``sub_tasks`` are the environments, so each
+    environment's own success, CI, Avg@k and Pass@k sit beside the mixed figures."""
+    out: dict[str, Any] = {"env": ",".join(parts), "h": max(h for _, _, h in parts.values()), "k": k,
+                           "temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens,
+                           "context_budget": context_budget, "items": sum(len(i) for _, i, _ in parts.values()),
+                           "engine": "hf", "envs": {e: {"h": h, "items": len(i)} for e, (_, i, h) in parts.items()},
+                           "checkpoints": {}}
+    for name, folder in checkpoints.items():
+        if progress is not None:
+            progress(name)
+        merged = EvalResult({}, {})
+        for env, (url, items, h) in parts.items():
+            result = evaluate(folder, env, url, [r["item_id"] for r in items], h=h, k=k, temperature=temperature,
+                              max_new_tokens=max_new_tokens, seed=seed, batch_items=batch_items,
+                              context_budget=context_budget, device=device)
+            for field_name in ("success", "reward", "turns", "termination"):
+                getattr(merged, field_name).update({f"{env}:{i}": v for i, v in getattr(result, field_name).items()})
+            merged.generated_tokens += result.generated_tokens
+        sub_tasks = {f"{env}:{r['item_id']}": env for env, (_, items, _) in parts.items() for r in items}
+        out["checkpoints"][name] = {"path": str(folder)} | summarise(merged, sub_tasks)
+    return out
