@@ -16,8 +16,9 @@ from envs.launcher import ROOT, start_server, stop_server
 from envs.splits import load_split
 from training.checkpoint import checkpoint_hash, read_manifest
 from training.config import MixShare, TrainConfig
+from training.data import MixedData
 from training.evaluate import evaluate
-from training.mixed import MixedData, allocation, parse_urls, shares
+from training.mixed import allocation, parse_urls, shares
 from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
 
 ENVS = "babyai,textcraft,deepsearch"
@@ -106,6 +107,7 @@ def test_the_cli_trains_a_mixed_phase_on_servers_it_starts_and_stops(tiny_model_
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_the_main_job_runs_a_mixed_curriculum_over_three_environments(tmp_path) -> None:
     """`scalinginter run --env babyai,textcraft,deepsearch`: the pipeline's mixed run (two one-step phases), its
     servers provisioned and torn down by the flow, evaluated per environment, reported, lineage intact."""
@@ -132,4 +134,24 @@ def test_the_main_job_runs_a_mixed_curriculum_over_three_environments(tmp_path) 
     assert "mixed_phase_1" in lock and "mixed.envs" in lock  # the mixture is a param of the phases
     report = (work / "reports/mixed.html").read_text()
     assert "textcraft/success/rate" in report
+    _renders_without_errors(work / "reports/mixed.html")
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "mixed")
+
+
+def _renders_without_errors(path: Path) -> None:
+    """The report in headless Chromium: no console or page errors, each environment's curves drawn."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_report import CHROMIUM, FLAGS
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        text = page.text_content("body") or ""
+        browser.close()
+    assert errors == []
+    assert all(f"{e}/success/rate" in text for e in ENVS.split(",")), text[:2000]

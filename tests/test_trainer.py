@@ -255,7 +255,7 @@ def test_drop_flat_groups_refuses_what_it_cannot_serve(update: dict) -> None:
 
 
 def test_an_item_list_replaces_the_split_and_is_checked() -> None:
-    from training.trainer import DataStream
+    from training.data import DataStream
 
     items = ["babyai_2003", "babyai_2010", "babyai_2044"]
     stream = DataStream("babyai", TrainConfig(items=items, seed=3))

@@ -63,31 +63,6 @@ def allocation(weights: Mapping[str, float], n: int) -> dict[str, int]:
     return counts
 
 
-class MixedData:
-    """Every environment's own seeded item order; a step takes ``allocation`` items of each, tagged."""
-
-    def __init__(self, envs: Sequence[str], config: TrainConfig, position: int = 0) -> None:
-        from training.trainer import DataStream
-
-        self.batch = config.batch_items
-        self.shares = shares(envs, config)
-        self.counts = allocation({e: s.weight for e, s in self.shares.items()}, self.batch)
-        self.streams = {e: DataStream(e, config.model_copy(update={"sub_tasks": s.sub_tasks, "items": None}))
-                        for e, s in self.shares.items()}
-        self.position = position
-
-    def take(self, n: int) -> list[str]:
-        if n != self.batch:
-            raise ValueError(f"a mixed run takes whole steps of {self.batch} items, not {n}")
-        step = self.position // self.batch
-        out = []
-        for env, stream in self.streams.items():
-            stream.position = step * self.counts[env]
-            out += [tag(env, i) for i in stream.take(self.counts[env])]
-        self.position += n
-        return out
-
-
 class MixedRollout:
     """One :class:`Rollout` per environment behind ``run(items, h)``, as the trainer calls a single one."""
 

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 import time
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 from envs.paths import pid_alive
-from envs.splits import load_split
 from training.advantages import flat_rows, masked_mean
 from training.checkpoint import (
     MANIFEST,
@@ -48,45 +46,19 @@ from training.checkpoint import (
 from training.config import TrainConfig
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
+from training.data import DataStream, MixedData
 from training.devices import autocast, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
-from training.mixed import MixedData, MixedRollout, allocation, mixed_envs, mixed_rollout, parse_urls, shares
+from training.mixed import MixedRollout, allocation, mixed_envs, mixed_rollout, parse_urls, shares
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
 from training.strategy import make_strategy
 
 log = logging.getLogger(__name__)
-
-
-class DataStream:
-    """An endless, seeded order over the split's items (or the config's own item list); ``position`` is all
-    the state it has."""
-
-    def __init__(self, env: str, config: TrainConfig, position: int = 0) -> None:
-        self.seed, self.position = config.seed, position
-        if config.items:
-            self.items = list(config.items)
-            return
-        rows = load_split(env, config.split)
-        if config.sub_tasks:
-            rows = [r for r in rows if r["sub_task"] in config.sub_tasks]
-        if not rows:
-            raise ValueError(f"no {env} items in split {config.split!r} with sub_tasks {config.sub_tasks}")
-        self.items = [r["item_id"] for r in rows]
-
-    def take(self, n: int) -> list[str]:
-        out = []
-        for _ in range(n):
-            epoch, index = divmod(self.position, len(self.items))
-            order = list(self.items)
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            out.append(order[index])
-            self.position += 1
-        return out
 
 
 @dataclass
