@@ -315,6 +315,15 @@ def train_phase_cmd(
     console.print(f"phase {phase} (h={h}) done: {final}")
 
 
+def _lora(rank: int) -> object:
+    """LoRA settings of rank ``rank`` (alpha 2r), or None for full fine-tuning at 0."""
+    from training.lora import LoraSettings
+
+    if rank < 0:
+        _fail(f"--lora-r must be 0 (no LoRA) or a positive rank, not {rank}")
+    return LoraSettings(r=rank, alpha=2.0 * rank) if rank else None
+
+
 def _pairs(pairs: list[str]) -> dict[str, object]:
     """``field=value`` strings as a dict; values parsed as JSON where they are (numbers, lists, booleans)."""
     import json
@@ -343,6 +352,8 @@ def sft(
     lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
     max_tokens: Annotated[int, typer.Option(help="longest episode trained on (longer ones are left out, counted)")]
     = 2048,
+    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
+                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
 ) -> None:
     """Warm-start a policy by SFT on expert episodes (optional; the paper's presets use no SFT)."""
     from pathlib import Path
@@ -356,7 +367,8 @@ def sft(
         conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
     source = Path(init) if init else base_model_dir(load_params())
     try:
-        path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens),
+        path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens,
+                                                               lora=_lora(lora_r)),
                        progress=True)
     except ValueError as err:
         _fail(str(err))
@@ -385,6 +397,8 @@ def rft(
     lr: Annotated[float, typer.Option(help="SFT learning rate")] = 1e-3,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL (default: start one)")] = None,
+    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
+                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
     successful ones and SFT on them; a rerun continues after the last finished round."""
@@ -401,7 +415,7 @@ def rft(
     params = load_params()
     try:
         config = RFTConfig(rounds=rounds, k=k, h=h, keep=keep, temperature=temperature,
-                           max_new_tokens=max_new_tokens, sft=SFTConfig(epochs=epochs, lr=lr))
+                           max_new_tokens=max_new_tokens, sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r)))
     except ValueError as err:
         _fail(str(err))
     ids = sft_items(env, items, sub_tasks=sub_task)
@@ -436,6 +450,8 @@ def dpo(
     max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL (default: start one)")] = None,
+    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
+                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
     on the assistant tokens against the frozen starting policy."""
@@ -452,7 +468,7 @@ def dpo(
     _check_env(env)
     params = load_params()
     try:
-        config, sampling = DPOConfig(beta=beta, epochs=epochs, lr=lr), RFTConfig(k=k, h=h,
+        config, sampling = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r)), RFTConfig(k=k, h=h,
                                                                                    max_new_tokens=max_new_tokens)
     except ValueError as err:
         _fail(str(err))

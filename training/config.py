@@ -16,6 +16,7 @@ from envs.paths import project_root
 from training.curriculum import AdaptiveRule, CurriculumConfig
 from training.guard import GuardConfig
 from training.layout import Run, base_model
+from training.lora import LoraSettings
 
 
 class ConfigError(ValueError):
@@ -228,6 +229,7 @@ class SFTConfig(BaseModel):
                             "out and counted (a batch's logits take batch x tokens x vocabulary floats)")
     seed: int = 0
     device: str = "cpu"
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters only (merged into the checkpoint)")
 
 
 class EvalConfig(BaseModel):

@@ -25,6 +25,7 @@ from envs.files import atomic_write
 from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
 from training.devices import resolve_device
 from training.experience import collate
+from training.lora import LoraSettings, save_lora, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
 from training.trajectory import Trajectory
@@ -41,6 +42,7 @@ class DPOConfig(BaseModel):
     max_pairs_per_item: int = Field(4, ge=1, description="at most this many pairs of one item")
     seed: int = 0
     device: str = "cpu"
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters only (merged into the checkpoint)")
 
 
 def preference_pairs(trajectories: list[Trajectory], max_per_item: int = 4,
@@ -98,8 +100,10 @@ def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], confi
     reference, _ = load_policy(init, device)
     reference.eval().requires_grad_(False)
     pad = tokenizer.pad_token_id
+    if config.lora is not None:
+        model = with_lora(model, config.lora)
     model.eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     rng = random.Random(config.seed)
     losses = []
     model.train()
@@ -126,7 +130,10 @@ def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], confi
                     "rejected": r.log_record() | {"messages": r.messages}}) + "\n" for c, r in pairs))
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        if config.lora is not None:
+            save_lora(model, tmp)  # the merged weights, the adapter in lora/
+        else:
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)
 

@@ -27,6 +27,7 @@ from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, wri
 from training.config import SFTConfig
 from training.devices import resolve_device
 from training.experience import collate
+from training.lora import save_lora, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
 from training.rollout import ChatFormat, opening_messages
@@ -87,7 +88,9 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
     if dropped:
         log.warning("SFT leaves out %d of %d episodes longer than max_tokens=%d (longest %d tokens)", dropped,
                     len(lengths), config.max_tokens, max(lengths))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    if config.lora is not None:
+        model = with_lora(model, config.lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     rng = random.Random(config.seed)
     model.train()
     losses = []
@@ -107,7 +110,10 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
             losses.append(float(loss.detach()))
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        if config.lora is not None:
+            save_lora(model, tmp)  # the merged weights, the adapter in lora/
+        else:
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)  # RL keeps close to the SFT policy
 
