@@ -354,8 +354,11 @@ def sft(
     = 2048,
     lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
                                              "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    from_: Annotated[list[str] | None, typer.Option("--from", help="train on the successful episodes recorded in "
+                                                    "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
+                                                    "DPO pairs) instead of expert episodes (repeatable)")] = None,
 ) -> None:
-    """Warm-start a policy by SFT on expert episodes (optional; the paper's presets use no SFT)."""
+    """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from)."""
     from pathlib import Path
 
     from training.config import base_model_dir, load_params
@@ -363,13 +366,24 @@ def sft(
     from training.sft import sft as run_sft
 
     _check_env(env)
-    with console.status(f"playing {episodes} {env} expert episodes"):
-        conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
+    record: dict[str, object] = {}
+    if from_:
+        from training.store import read_episodes, training_conversation
+
+        try:
+            records, sources = read_episodes([Path(p) for p in from_])
+        except (OSError, ValueError) as err:
+            _fail(str(err))
+        conversations = [training_conversation(r) for r in records]
+        record = {"source": "recorded", "sources": sources}  # the lineage: which files, by their sha256
+    else:
+        with console.status(f"playing {episodes} {env} expert episodes"):
+            conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
     source = Path(init) if init else base_model_dir(load_params())
     try:
         path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens,
                                                                lora=_lora(lora_r)),
-                       progress=True)
+                       progress=True, record=record)
     except ValueError as err:
         _fail(str(err))
     from training.checkpoint import read_manifest

@@ -65,7 +65,8 @@ def test_dpo_prefers_the_chosen_on_held_out_pairs(env_server, bandit_warm_start,
 @pytest.mark.slow
 def test_the_cli_samples_pairs_and_trains(bandit_warm_start, tmp_path) -> None:
     cmd = [sys.executable, "-m", "flows.cli", "dpo", "bandit", "--init", str(bandit_warm_start), "--out",
-           str(tmp_path / "dpo"), "--k", "4", "--items", "4", "--h", "1", "--max-new-tokens", "16", "--epochs", "1", "--lora-r", "4"]
+           str(tmp_path / "dpo"), "--k", "4", "--items", "4", "--h", "1", "--max-new-tokens", "16", "--epochs", "1",
+           "--lora-r", "4"]
     env = {k: v for k, v in os.environ.items() if k != "SCALINGINTER_ENV_URL"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,6 +16,7 @@ from training.checkpoint import checkpoint_hash, folder_hash, read_manifest
 from training.config import SFTConfig
 from training.evaluate import evaluate
 from training.rft import RFTConfig, rft, select
+from training.store import read_episodes, training_conversation
 from training.trajectory import Trajectory
 
 TRAIN, HELD_OUT = [f"bandit_{i}" for i in range(8)], [f"bandit_{i}" for i in range(40, 56)]
@@ -50,7 +51,7 @@ def test_a_round_of_rejection_sampling_raises_success_on_held_out_items(env_serv
     assert manifest["parent"] == folder_hash(bandit_warm_start) and 0 < manifest["kept"] <= 32
     kept = [json.loads(line) for line in (tmp_path / "round-0.jsonl").open()]
     assert len(kept) == manifest["kept"] and all(k["success"] and k["policy"] == manifest["parent"] for k in kept)
-    assert all(k["messages"][-1]["role"] == "assistant" and "right" in k["messages"][-1]["content"] for k in kept)
+    assert all("right" in [m for m in k["conversation"] if m["role"] == "assistant"][-1]["content"] for k in kept)
     # a rerun with one more round continues from round 0 (verified, not redone)
     identity = checkpoint_hash(round0)
     rounds = rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN, config.model_copy(update={"rounds": 2}))
@@ -67,3 +68,23 @@ def test_the_cli_runs_rounds_on_a_server_it_starts(bandit_warm_start, tmp_path) 
     assert "round 0: kept" in done.stdout and read_manifest(tmp_path / "round-0")["sampled"] == 8
     bad = subprocess.run([*cmd, "--keep", "longest"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "keep" in bad.stdout + bad.stderr
+
+
+def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_start, tmp_path) -> None:
+    """The store: an RFT round's and a DPO run's recorded episodes are SFT data (`scalinginter sft --from`); the
+    checkpoint names the files by sha256."""
+    url = env_server("bandit")
+    rft(bandit_warm_start, tmp_path / "rft", "bandit", url, TRAIN[:4],
+        RFTConfig(rounds=1, k=2, h=1, max_new_tokens=16, sft=SFTConfig(epochs=1)))
+    records, sources = read_episodes([tmp_path / "rft"])
+    assert records and all(r["success"] for r in records) and len(sources) == 1
+    assert training_conversation(records[0])[-1]["role"] == "assistant"
+    cmd = [sys.executable, "-m", "flows.cli", "sft", "bandit", "--init", str(bandit_warm_start), "--out",
+           str(tmp_path / "sft"), "--from", str(tmp_path / "rft" / "round-0.jsonl"), "--epochs", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = read_manifest(tmp_path / "sft")
+    assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
+    bad = subprocess.run([*cmd[:-4], "--from", str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "no recorded episodes at" in bad.stdout + bad.stderr

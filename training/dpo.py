@@ -126,8 +126,8 @@ def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], confi
     model.eval()
     after = margins(model, reference, pairs, pad, device)
     atomic_write(out.parent / f"{out.name}.pairs.jsonl", "".join(
-        json.dumps({"item_id": c.item_id, "chosen": c.log_record() | {"messages": c.messages},
-                    "rejected": r.log_record() | {"messages": r.messages}}) + "\n" for c, r in pairs))
+        json.dumps({"item_id": c.item_id, "chosen": c.log_record(), "rejected": r.log_record()}) + "\n"
+        for c, r in pairs))
 
     def write(tmp: Path) -> None:
         if config.lora is not None:

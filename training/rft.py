@@ -6,7 +6,8 @@ samples from the result.
 
 Each round is a checkpoint ``round-<r>/`` (its manifest: kind ``rft``, the parent it sampled from, how many
 episodes were sampled and kept, the sampling success rate) with the kept episodes beside it in
-``round-<r>.jsonl`` (item, reward, turns, termination, messages and the sampling policy's hash), so the lineage
+``round-<r>.jsonl`` (the rollout log's record of each: item, reward, turns, termination, conversation, and the
+sampling policy's hash), so the lineage
 says what each round trained on. A finished round is not redone: a rerun continues after the last one.
 """
 
@@ -27,6 +28,7 @@ from training.engine import HFEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 from training.sft import sft
+from training.store import training_conversation
 from training.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -59,14 +61,6 @@ def select(trajectories: list[Trajectory], keep: str) -> list[Trajectory]:
                                                                          len(best[t.item_id].input_ids)):
             best[t.item_id] = t
     return [best[i] for i in sorted(best)]
-
-
-def _training_messages(t: Trajectory) -> list[dict[str, str]]:
-    """The episode up to its last reply (the final observation is not trained on)."""
-    messages = list(t.messages)
-    while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
-    return messages
 
 
 def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig, round_: int) -> list[Trajectory]:
@@ -110,13 +104,13 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
                              f"{config.h}, k={config.k}): sample more (k, items), raise h, or warm-start with SFT")
         parent = folder_hash(policy)
         atomic_write(out / f"round-{r}.jsonl", "".join(
-            json.dumps({"env": env, "round": r, "policy": parent, **t.log_record(), "messages": _training_messages(t)})
-            + "\n" for t in kept))
+            json.dumps({"env": env, "round": r, "policy": parent, **t.log_record()}) + "\n" for t in kept))
         log.info("round %d: kept %d of %d episodes (sampling success %.1f%%)", r, len(kept), len(sampled), 100 * rate)
         record: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h, "rft": config.model_dump(),
                                   "sampled": len(sampled), "kept": len(kept), "env_errors": errors,
                                   "sample_success": rate, "kept_file": f"round-{r}.jsonl"}
-        sft(policy, folder, [_training_messages(t) for t in kept], config.sft, progress=progress, record=record)
+        sft(policy, folder, [training_conversation(t.log_record()) for t in kept], config.sft, progress=progress,
+            record=record)
         policy = folder
         rounds.append(folder)
     return rounds
