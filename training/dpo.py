@@ -22,12 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from envs.files import atomic_write
-from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
+from training.checkpoint import MANIFEST, folder_hash, read_manifest
 from training.devices import resolve_device
 from training.experience import collate
-from training.lora import LoraSettings, save_lora, with_lora
+from training.lora import LoraSettings, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
+from training.sft import save_policy
 from training.trajectory import Trajectory
 
 
@@ -129,17 +130,8 @@ def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], confi
         json.dumps({"item_id": c.item_id, "chosen": c.log_record(), "rejected": r.log_record()}) + "\n"
         for c, r in pairs))
 
-    def write(tmp: Path) -> None:
-        if config.lora is not None:
-            save_lora(model, tmp)  # the merged weights, the adapter in lora/
-        else:
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)
-
     fields = {"kind": "dpo", "parent": folder_hash(init), "config": config.model_dump(), "pairs": len(pairs),
               "items": len({c.item_id for c, _ in pairs}), "first_loss": losses[0], "final_loss": losses[-1],
               "accuracy_after": float((after > 0).float().mean()), "mean_margin_after": float(after.mean()),
               "pairs_file": f"{out.name}.pairs.jsonl", **(record or {})}
-    write_checkpoint(out, write, fields, export=True)
-    return out
+    return save_policy(out, model, tokenizer, config.lora, fields)

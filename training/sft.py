@@ -109,18 +109,25 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
             optimizer.step()
             losses.append(float(loss.detach()))
 
-    def write(tmp: Path) -> None:
-        if config.lora is not None:
-            save_lora(model, tmp)  # the merged weights, the adapter in lora/
-        else:
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)  # RL keeps close to the SFT policy
-
     fields = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
               "episodes_over_max_tokens": dropped, "final_loss": losses[-1], "first_loss": losses[0],
               **(record or {})}
-    write_checkpoint(out, write, fields, export=True)
+    return save_policy(out, model, tokenizer, config.lora, fields)
+
+
+def save_policy(out: Path, model: Any, tokenizer: Any, lora: Any, record: dict[str, Any]) -> Path:
+    """A fine-tuned policy as an exported checkpoint (atomic, with ``record`` in its manifest): the merged
+    weights and the adapter in lora/ when ``lora`` trained adapters; a later RL phase keeps close to it (its
+    own reference)."""
+    def write(tmp: Path) -> None:
+        if lora is not None:
+            save_lora(model, tmp)
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"global_step": 0, "reference": str(out)}, tmp / STATE)
+
+    write_checkpoint(out, write, record, export=True)
     return out
 
 
