@@ -85,8 +85,10 @@ def test_out_of_range_index_is_rejected_without_a_jvm() -> None:
 
 
 def test_java_options_keep_the_heap_on_the_command_line() -> None:
-    assert java_options() == ["-Xmx384m", "-XX:+UseSerialGC"]
-    assert java_options(512, "") == java_options("512m", "") == java_options("-Xmx512m", "") == ["-Xmx512m"]
+    assert java_options() == ["-Xmx384m", "-Xms384m", "-XX:+UseSerialGC", "-XX:+AlwaysPreTouch",
+                              "-XX:ReservedCodeCacheSize=64m", "-XX:MaxMetaspaceSize=128m"]
+    assert java_options(512, "") == java_options("512m", "") == java_options("-Xmx512m", "") == ["-Xmx512m", "-Xms512m"]
+    assert java_options(512, "-Xms64m") == ["-Xmx512m", "-Xms64m"]  # an initial heap of one's own stays
 
 
 def test_reward_normalisation() -> None:
@@ -133,7 +135,7 @@ def test_reset_fields_and_jvm_options(backend, env) -> None:
     assert (first.reward, first.score, first.done, first.success) == (0.0, 0.0, False, False)
     assert env.observe() == first.observation
     cmdline = psutil.Process(env._jvm.pid).cmdline()
-    assert "-Xmx384m" in cmdline and "-XX:+UseSerialGC" in cmdline  # on the java command line only...
+    assert {"-Xmx384m", "-Xms384m", "-XX:+AlwaysPreTouch", "-XX:+UseSerialGC"} <= set(cmdline)  # command line only...
     assert os.environ.get("JAVA_TOOL_OPTIONS") == JAVA_TOOL_OPTIONS  # ...not put where other processes see it
 
 

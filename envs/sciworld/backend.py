@@ -137,9 +137,11 @@ class Backend(base.Backend):
     """Shared state of a SciWorld server: the frozen task list and the JVM pool (started lazily).
 
     Options (``--option key=value``): ``max_jvms`` (JVMs alive at most, one per instance between its
-    reset and close; default 4), ``heap`` (the java heap flag, default ``-Xmx384m``), ``java_opts``
-    (further java flags, default ``-XX:+UseSerialGC``), ``env_step_limit`` (moves before the simulator
-    ends the episode, default 100).
+    reset and close; default 4), ``heap`` (the java heap flag, default ``-Xmx384m``; the initial heap is the
+    same unless java_opts sets -Xms), ``java_opts`` (further java flags, default ``-XX:+UseSerialGC
+    -XX:+AlwaysPreTouch -XX:ReservedCodeCacheSize=64m -XX:MaxMetaspaceSize=128m``: the memory a JVM holds is
+    committed at its start and bounded), ``env_step_limit`` (moves before the simulator ends the episode,
+    default 100).
     """
 
     name = "sciworld"
