@@ -714,22 +714,15 @@ def run(
     from flows.scalinginter_flow import scalinginter
     from training.config import ConfigError
 
-    overrides: dict[str, object] = {}
     names = [e.strip() for e in env.split(",") if e.strip()]
     for name in names:
         _check_env(name)
-    if len(names) > 1:  # one policy over several environments: the pipeline's mixed run, on these
-        from training.config import load_params
-
-        if len(set(names)) != len(names):
-            _fail(f"--env {env}: name each environment once")
-        listed = list(load_params().get("pipeline", {}).get("envs", []))
-        env, overrides = MIXED, {"mixed.envs": names, "pipeline.envs": listed + [MIXED] * (MIXED not in listed)}
+    if len(set(names)) != len(names):
+        _fail(f"--env {env}: name each environment once")
     if record not in ("commit", "exp", "none"):
         _fail(f"--record must be commit, exp or none, not {record!r}")
     try:
-        result = scalinginter(env=env, profile=profile, record=record, push=push,  # type: ignore[arg-type]
-                              overrides=overrides)
+        result = scalinginter(env=env, profile=profile, record=record, push=push)  # type: ignore[arg-type]
     except ConfigError as err:
         _fail(str(err))
     evaluation = result["evaluation"]

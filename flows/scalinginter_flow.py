@@ -37,6 +37,7 @@ from tasks.pipeline import (
     version,
 )
 from training.config import (
+    MIXED,
     ConfigError,
     curriculum_config,
     eval_config,
@@ -81,8 +82,16 @@ def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[
 machine or others: the run uses them instead of starting ``env_server.replicas`` of its own. One run at a time
 holds the working copy (a second fails at once, naming the holder)."""
     root = project_root()
+    overrides = dict(overrides or {})
+    names = [e.strip() for e in env.split(",") if e.strip()]
+    if len(names) > 1:  # one policy over several environments: the pipeline's mixed run, on these
+        env, overrides["mixed.envs"] = MIXED, names
+    if env == MIXED:
+        listed = list(overrides.get("pipeline.envs") or load_params(root / "params.yaml").get("pipeline", {})
+                      .get("envs", []))
+        overrides["pipeline.envs"] = listed + [MIXED] * (MIXED not in listed)
     with working_copy_lock(root):
-        changed = set_params({"curriculum.profile": profile, **(overrides or {})}, root)
+        changed = set_params({"curriculum.profile": profile, **overrides}, root)
         for key, old in changed.items():
             print(f"params.yaml: {key} set (was {old!r})")
         params = load_params(root / "params.yaml")
