@@ -138,6 +138,9 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     rows = (tmp_path / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
     assert rows[0].split("\t")[0] == "step" and [r.split("\t")[0] for r in rows[1:]] == ["0", "1"]
     assert len(list((tmp_path / "rollouts").glob("step-*.jsonl"))) == 2
+    record = json.loads((tmp_path / "rollouts" / "step-000001.jsonl").read_text().splitlines()[0])
+    assert (record["env"], record["phase"], record["h"]) == ("babyai", 0, 2)  # where each record came from
+    assert record["parent"] == read_manifest(final)["parent"] and record["conversation"]
     cost = read_manifest(final)["cost"]
     assert cost["generated_tokens"] > 0 and cost["trained_tokens"] > 0 and cost["wall_seconds"] > 0
     card = (final / "README.md").read_text()  # a model card a user can hand on with the HF folder

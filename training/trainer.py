@@ -333,7 +333,9 @@ class PhaseTrainer:
         if cfg.max_staleness and step + 1 < self.end_step:
             self._prefetch(step + 1)
         if cfg.log_rollouts and self.leader:
-            write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step, served)
+            # each record says where it came from: the environment(s), the phase and its cap, the parent checkpoint
+            where = {"env": self.env, "phase": self.phase, "h": self.h, "parent": self.parent}
+            write_rollout_log(self.out_dir / "rollouts" / f"step-{step:06d}.jsonl", result, step, where | served)
         self.ledger.generated_tokens += result.generated_tokens
         stats |= result.stats
         t1 = time.perf_counter()
