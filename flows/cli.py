@@ -36,6 +36,19 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _check_envs(env: str) -> list[str]:
+    """The environments of ``env`` (one, or several joined by commas), each checked."""
+    from training.config import mixed_envs
+
+    try:
+        envs = mixed_envs(env)
+    except ValueError as err:
+        _fail(str(err))
+    for name in envs:
+        _check_env(name)
+    return envs
+
+
 def _check_env(env: str) -> None:
     if env == MIXED:  # the pipeline's run of one policy over params.yaml mixed.envs
         return
@@ -281,15 +294,9 @@ def train_phase_cmd(
         server_config,
         train_config,
     )
-    from training.mixed import mixed_envs
     from training.phase import run_phase
 
-    try:
-        envs = mixed_envs(env)
-    except ValueError as err:
-        _fail(str(err))
-    for name in envs:
-        _check_env(name)
+    envs = _check_envs(env)
     nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
     if nproc > 1 and "LOCAL_RANK" not in os.environ:  # one process per device: relaunch under torchrun
         import subprocess
@@ -714,11 +721,7 @@ def run(
     from flows.scalinginter_flow import scalinginter
     from training.config import ConfigError
 
-    names = [e.strip() for e in env.split(",") if e.strip()]
-    for name in names:
-        _check_env(name)
-    if len(set(names)) != len(names):
-        _fail(f"--env {env}: name each environment once")
+    _check_envs(env)
     if record not in ("commit", "exp", "none"):
         _fail(f"--record must be commit, exp or none, not {record!r}")
     try:

@@ -43,6 +43,7 @@ from training.config import (
     eval_config,
     load_params,
     mixed_components,
+    mixed_envs,
     policy_server_config,
     server_config,
     train_config,
@@ -83,7 +84,7 @@ machine or others: the run uses them instead of starting ``env_server.replicas``
 holds the working copy (a second fails at once, naming the holder)."""
     root = project_root()
     overrides = dict(overrides or {})
-    names = [e.strip() for e in env.split(",") if e.strip()]
+    names = mixed_envs(env) if env != MIXED else [env]
     if len(names) > 1:  # one policy over several environments: the pipeline's mixed run, on these
         env, overrides["mixed.envs"] = MIXED, names
     if env == MIXED:

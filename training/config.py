@@ -195,7 +195,15 @@ def mixed_components(env: str, params: dict[str, Any]) -> list[str]:
         if len(names) < 2 or len(set(names)) != len(names):
             raise ConfigError(f"params.yaml mixed.envs must list two or more distinct environments, not {names}")
         return names
-    return [e.strip() for e in env.split(",") if e.strip()] or [env]
+    return mixed_envs(env)
+
+
+def mixed_envs(env: str) -> list[str]:
+    """The environments of ``env`` (one name, or several joined by commas), in order, each once."""
+    names = [e.strip() for e in env.split(",") if e.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"environments {env!r}: give one or more distinct names joined by commas")
+    return names
 
 
 def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,

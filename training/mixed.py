@@ -20,14 +20,6 @@ from training.rollout import Rollout, RolloutResult, rollout_stats
 SEP = ":"
 
 
-def mixed_envs(env: str) -> list[str]:
-    """The environments of ``env`` (one name, or several joined by commas), in order, each once."""
-    names = [e.strip() for e in env.split(",") if e.strip()]
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"environments {env!r}: give one or more distinct names joined by commas")
-    return names
-
-
 def tag(env: str, item_id: str) -> str:
     return f"{env}{SEP}{item_id}"
 

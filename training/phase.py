@@ -12,8 +12,8 @@ from pathlib import Path
 
 from envs.launcher import running_replicas
 from training.checkpoint import MANIFEST
-from training.config import PhaseSpec
-from training.mixed import mixed_envs, parse_urls
+from training.config import PhaseSpec, mixed_envs
+from training.mixed import parse_urls
 from training.trainer import train_phase
 
 

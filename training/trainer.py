@@ -43,7 +43,7 @@ from training.checkpoint import (
     state_folder,
     write_checkpoint,
 )
-from training.config import TrainConfig
+from training.config import TrainConfig, mixed_envs
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
@@ -53,7 +53,7 @@ from training.experience import Experience, collate, estimate_advantages, sequen
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
-from training.mixed import MixedRollout, allocation, mixed_envs, mixed_rollout, parse_urls, shares
+from training.mixed import MixedRollout, allocation, mixed_rollout, parse_urls, shares
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
 from training.strategy import make_strategy
@@ -402,14 +402,13 @@ class PhaseTrainer:
                         2**attempt)
             time.sleep(2**attempt)
             result = self.rollout.run(items, self.h, step=step)
+        first = next((t.error for t in result.trajectories if t.error), "no trajectories")
         if result.failed_envs:  # a mixed run never trains on the other environments alone
-            first = next((t.error for t in result.trajectories if t.error), "no trajectories")
             raise EnvironmentFailure(
                 f"step {step}: every trajectory of {', '.join(result.failed_envs)} hit environment errors in "
                 f"{self.config.failed_rollout_retries + 1} tries (first: {first}); servers: {self.rollout.url}. "
                 "The phase stops (it does not train on the other environments alone); rerun it to resume")
         if not result.valid:
-            first = next((t.error for t in result.trajectories if t.error), "no trajectories")
             raise EnvironmentFailure(
                 f"step {step}: all {len(result.trajectories)} trajectories hit environment errors in "
                 f"{self.config.failed_rollout_retries + 1} tries (first: {first}); the environment server at "
