@@ -322,13 +322,48 @@ def train_phase_cmd(
     console.print(f"phase {phase} (h={h}) done: {final}")
 
 
+@app.command("warm-stage")
+def warm_stage_cmd(
+    env: EnvArg,
+    index: Annotated[int, typer.Option(help="warm-start stage index (phases.yaml <env>.warm_<index>)")] = 0,
+    init: Annotated[str | None, typer.Option(help="checkpoint to start from (default: the previous stage's, or "
+                                                  "the base model)")] = None,
+    out: Annotated[str | None, typer.Option(help="stage folder (default: runs/<env>/warm-<index>)")] = None,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL for the sampling methods (default: "
+                                                 "start env_server.replicas)")] = None,
+) -> None:
+    """Run one warm-start stage of ENV's curriculum (sft, rft or dpo before the first RL phase), as its DVC stage
+    does: its settings from phases.yaml (params.yaml ``curriculum.<env>.profiles.<profile>.warm_start``)."""
+    from pathlib import Path
+
+    from envs.paths import project_root
+    from training.config import ConfigError, load_params, server_config, warm_spec
+    from training.methods import run_warm_stage
+
+    _check_env(env)
+    root = project_root()
+    try:
+        stage, start, folder = warm_spec(env, index, root)
+        server = server_config(env, load_params(root / "params.yaml"))
+    except ConfigError as err:
+        _fail(str(err))
+    try:
+        path = run_warm_stage(env, index, stage, Path(init) if init else start, Path(out) if out else folder, url,
+                              server, progress=True)
+    except (ValueError, RuntimeError, OSError) as err:
+        _fail(str(err))
+    console.print(f"warm start {index} ({stage.method}) done: {path}")
+
+
 def _lora(rank: int) -> object:
     """LoRA settings of rank ``rank`` (alpha 2r), or None for full fine-tuning at 0."""
-    from training.lora import LoraSettings
+    from training.lora import lora_of_rank
 
-    if rank < 0:
-        _fail(f"--lora-r must be 0 (no LoRA) or a positive rank, not {rank}")
-    return LoraSettings(r=rank, alpha=2.0 * rank) if rank else None
+    try:
+        return lora_of_rank(rank)
+    except ValueError as err:
+        _fail(f"--lora-r: {err}")
 
 
 def _pairs(pairs: list[str]) -> dict[str, object]:
@@ -730,8 +765,9 @@ def run(
         _fail(str(err))
     evaluation = result["evaluation"]
     success = " -> ".join(f"{name} {c['success']:.0%}" for name, c in evaluation["checkpoints"].items())
-    console.print(f"[bold]done[/bold]: {len(result['phases'])} phases; success on {evaluation['items']} test items "
-                  f"(k={evaluation['k']}): {success}", soft_wrap=True)
+    warm = f"{len(result['warm_start'])} warm-start stages, " if result.get("warm_start") else ""
+    console.print(f"[bold]done[/bold]: {warm}{len(result['phases'])} phases; success on {evaluation['items']} test "
+                  f"items (k={evaluation['k']}): {success}", soft_wrap=True)
     console.print(f"report: {result['report']}", soft_wrap=True)
 
 

@@ -39,12 +39,18 @@ from training.vllm_engine import running_vllm
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
                 ) -> dict[str, Path]:
-    """``{"base": models/<preset>, "phase-0": .../final, ...}``: every checkpoint of the run, in order
-    (of the fixed-h baseline run when ``baseline`` is its h)."""
+    """``{"base": models/<preset>, "warm-0-sft": .../final, "phase-0": .../final, ...}``: every checkpoint of the
+    run, in order: the base model, each warm-start stage's (training.warm), each phase's (of the fixed-h baseline
+    run when ``baseline`` is its h)."""
+    from training.warm import checkpoint_of
+
     root = root or project_root()
     params = load_params(root / "params.yaml")
-    phases = curriculum_config(env, profile, params).phases()
+    curriculum = curriculum_config(env, profile, params)
+    phases = curriculum.phases()
     out = {"base": base_model_dir(params, root)}
+    for k, stage in enumerate(curriculum.warm_start):
+        out[f"warm-{k}-{stage.method}"] = checkpoint_of(Run(env, root=root).warm(k), stage)
     if baseline is not None:
         out[f"fixed-h{baseline}"] = Run(env, baseline, root).final(0)
         stage = f"{env}_fixed_h{baseline}"

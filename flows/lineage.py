@@ -18,6 +18,7 @@ import yaml
 from training.checkpoint import CheckpointError, folder_hash, read_manifest
 from training.config import base_model_dir, load_params
 from training.layout import Run
+from training.warm import parse_stage, stage_checkpoints
 
 
 @dataclass
@@ -34,11 +35,14 @@ class PhaseRecord:
     cost: dict[str, float] = field(default_factory=dict)
     curriculum: dict[str, Any] = field(default_factory=dict)  # trained steps; an adaptive phase's early advance
     guard: list[dict[str, Any]] = field(default_factory=list)  # the collapse guard's trips (training/guard.py)
+    summary: str = ""  # a warm-start stage's account of what it trained on (its "trained")
 
     @property
     def trained(self) -> str:
         """Steps trained, with the reason when an adaptive phase advanced early ("2 of 4: ...") and each trip of
-        the collapse guard ("guard: actor/kl=3.2 at step 5, back to 4, lr x0.1")."""
+        the collapse guard ("guard: actor/kl=3.2 at step 5, back to 4, lr x0.1"); a warm-start stage's summary."""
+        if self.summary:
+            return self.summary
         done = self.curriculum.get("trained_steps", self.steps)
         budget = self.curriculum.get("budget", self.steps)
         reason = self.curriculum.get("advanced_early")
@@ -64,18 +68,64 @@ def _metrics(folder: Path) -> dict[str, float]:
     return {"reward/mean": data.get("reward", {}).get("mean"), "success/rate": data.get("success", {}).get("rate")}
 
 
+def _warm_summary(method: str, manifests: list[dict[str, Any]]) -> str:
+    last = manifests[-1]
+    if method == "rft":
+        return "; ".join(f"round {m['round']}: kept {m['kept']} of {m['sampled']}" for m in manifests)
+    if method == "dpo":
+        return f"{last['pairs']} pairs of {last['items']} items, {last['accuracy_after']:.0%} preferred"
+    return f"{last['episodes']} {last.get('source', 'expert')} episodes, loss {last['first_loss']:.3g} -> " \
+           f"{last['final_loss']:.3g}"
+
+
+def _warm_records(env: str, stages: dict[str, Any], root: Path, expected_parent: str | None
+                  ) -> tuple[list[PhaseRecord], list[str], str | None]:
+    """The warm-start stages (training.warm) as records, checked against dvc.lock: their settings, their kind and
+    their chain of parents (an RFT run's rounds each from the last); returns the last checkpoint's hash."""
+    names = sorted((s for s in stages if s.startswith(f"{env}_warm_")), key=lambda s: int(s.rsplit("_", 1)[1]))
+    records, problems = [], []
+    for name in names:
+        index = int(name.rsplit("_", 1)[1])
+        locked = parse_stage(stages[name]["params"]["phases.yaml"][f"{env}.warm_{index}"])
+        folder = Run(env, root=root).warm(index)
+        try:
+            manifests = [read_manifest(c) for c in stage_checkpoints(folder, locked)]
+        except CheckpointError as err:
+            problems.append(f"{name}: {err} (run `dvc pull` to fetch it)")
+            continue
+        for m in manifests:
+            recorded = dict(m.get("warm_start") or {})
+            if recorded.pop("index", None) != index or parse_stage(recorded) != locked:
+                problems.append(f"{name}: dvc.lock says {locked.model_dump(exclude_none=True)}, the checkpoint "
+                                f"{m.get('round', 'final')} was made with {m.get('warm_start')}")
+            if m.get("kind") != locked.method:
+                problems.append(f"{name}: the checkpoint was written by {m.get('kind')}, not {locked.method}")
+            if expected_parent is not None and m["parent"] != expected_parent:
+                problems.append(f"{name}: its parent is {m['parent'][:12]}, but the previous checkpoint is "
+                                f"{expected_parent[:12]}")
+            expected_parent = m["hash"]
+        records.append(PhaseRecord(name, getattr(locked, "h", 0), 0, locked.method, manifests[0]["parent"],
+                                   manifests[-1]["hash"], summary=_warm_summary(locked.method, manifests)))
+    return records, problems, expected_parent
+
+
 def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
-    """(phase records in order, disagreements between dvc.lock and the checkpoints, git revision)."""
+    """(records in order: warm-start stages then phases, disagreements between dvc.lock and the checkpoints,
+    git revision)."""
     lock_path = root / "dvc.lock"
     if not lock_path.exists():
         raise FileNotFoundError(f"{lock_path} not found: run `dvc repro` (or pull the run's git history) first")
     stages: dict[str, Any] = yaml.safe_load(lock_path.read_text())["stages"]
+    pipeline = root / "dvc.yaml"  # dvc.lock keeps the entries of stages the pipeline no longer has: not part of it
+    if pipeline.exists():
+        current = set((yaml.safe_load(pipeline.read_text()) or {}).get("stages", {}))
+        stages = {name: entry for name, entry in stages.items() if name in current}
     names = sorted((s for s in stages if s.startswith(f"{env}_phase_")), key=lambda s: int(s.rsplit("_", 1)[1]))
     if not names:
         raise LookupError(f"dvc.lock has no {env} phase stages: is {env} in params.yaml pipeline.envs?")
-    records, problems = [], []
     base = base_model_dir(load_params(root / "params.yaml"), root)
-    expected_parent = folder_hash(base) if base.exists() else None
+    records, problems, expected_parent = _warm_records(env, stages, root,
+                                                       folder_hash(base) if base.exists() else None)
     for name in names:
         index = int(name.rsplit("_", 1)[1])
         locked = stages[name]["params"]["phases.yaml"][f"{env}.phase_{index}"]

@@ -33,6 +33,7 @@ from tasks.pipeline import (
     provision_env_server,
     provision_policy_server,
     run_phase,
+    run_warm_stage,
     teardown_server,
     version,
 )
@@ -106,7 +107,8 @@ holds the working copy (a second fails at once, naming the holder)."""
 
 def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: bool,
          env_urls: list[str] | None = None) -> dict[str, Any]:
-    phases = curriculum_config(env, profile, params).phases()
+    curriculum = curriculum_config(env, profile, params)
+    phases = curriculum.phases()
     components = mixed_components(env, params)  # [env], or the environments of the mixed run
     if env_urls:  # servers that already run (other machines): used as they are, never torn down here
         url, pids = (",".join(env_urls) if len(components) == 1 else ";".join(env_urls)), []
@@ -132,7 +134,11 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
                          server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
             base = build_base_model()  # the server starts on the base model, which a first run has yet to build
             policy_url, policy_pid = provision_policy_server(base, server, length)
-        rows = []
+        rows, warm = [], []
+        for k, stage in enumerate(curriculum.warm_start):  # sft / rft / dpo before the first RL phase
+            print(f"warm start {k}: {stage.method}")
+            warm.append(run_warm_stage(env, k, url))
+            print(f"{warm[-1]['stage']}: {'trained' if warm[-1]['ran'] else 'up to date'}")
         for phase in phases:
             print(f"phase {phase.index}: h={phase.h}, steps {phase.first_step}..{phase.last_step}")
             started = time.perf_counter()
@@ -149,11 +155,11 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
     report = build_report(env)
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())
-    create_markdown_artifact(_markdown(env, profile, rows, results, report), key=f"scalinginter-{env}",
+    create_markdown_artifact(_markdown(env, profile, warm + rows, results, report), key=f"scalinginter-{env}",
                              description=f"ScalingInter curriculum of {env}")
     print(f"checkpoints: {run.dir}/phase-*/final\nmetrics:     {run.dir}/phase-*/dvclive (dvc plots show), "
           f"{run.eval_metrics}\nlineage:     scalinginter lineage {env}\nreport:      {report}")
-    return {"phases": rows, "evaluation": results, "report": str(report)}
+    return {"warm_start": warm, "phases": rows, "evaluation": results, "report": str(report)}
 
 
 @contextlib.contextmanager

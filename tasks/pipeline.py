@@ -16,9 +16,10 @@ from envs.launcher import start_server, stop_server
 from envs.paths import project_root
 from tasks.stages import run_command, run_stage, server_env
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec
+from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec, warm_spec
 from training.layout import Run, report_file
 from training.phase import run_phase as train_one_phase
+from training.warm import checkpoint_of
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, secret: bool = False) -> str:
@@ -127,6 +128,28 @@ def run_phase(env: str, index: int, url: str, policy_url: str | None = None) -> 
             "steps": manifest["steps"], "hash": manifest["hash"], "parent": manifest["parent"],
             "reward": metrics.get("reward", {}).get("mean"), "success": metrics.get("success", {}).get("rate"),
             "wall_seconds": manifest.get("cost", {}).get("wall_seconds"), "stage_seconds": round(seconds, 3)}
+
+
+@task
+def run_warm_stage(env: str, index: int, url: str) -> dict:
+    """Run (or skip, if up to date) warm-start stage ``index`` (sft, rft or dpo before the RL phases) as its DVC
+    stage, against the provisioned environment server."""
+    from training.methods import run_warm_stage as run_one
+
+    stage = f"{env}_warm_{index}"
+
+    def work() -> None:
+        spec, init, out = warm_spec(env, index, Path("."))
+        run_one(env, index, spec, init, out, url)
+
+    started = time.perf_counter()
+    outcome = run_stage(project_root(), stage, url, work=work)
+    spec, _, folder = warm_spec(env, index, project_root())
+    manifest = read_manifest(checkpoint_of(folder, spec))
+    return {"stage": stage, "ran": outcome != "skipped", "how": outcome, "h": manifest.get("h", "-"),
+            "steps": "-", "hash": manifest["hash"], "parent": manifest["parent"],
+            "reward": None, "success": manifest.get("sample_success"),
+            "wall_seconds": None, "stage_seconds": round(time.perf_counter() - started, 3)}
 
 
 @task

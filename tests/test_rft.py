@@ -56,6 +56,11 @@ def test_a_round_of_rejection_sampling_raises_success_on_held_out_items(env_serv
     identity = checkpoint_hash(round0)
     rounds = rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN, config.model_copy(update={"rounds": 2}))
     assert checkpoint_hash(rounds[0]) == identity and read_manifest(rounds[1])["parent"] == identity
+    # rounds made with other settings are never taken for this run's
+    with pytest.raises(ValueError, match=r"other settings \(rft differ"):
+        rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN, config.model_copy(update={"rounds": 2, "k": 2}))
+    with pytest.raises(ValueError, match=r"other settings \(items differ"):
+        rft(bandit_warm_start, tmp_path, "bandit", url, TRAIN[:4], config)
 
 
 @pytest.mark.slow

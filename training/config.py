@@ -338,6 +338,17 @@ def base_model_dir(params: dict[str, Any], root: Path = Path(".")) -> Path:
     return base_model(str(params.get("model", {}).get("preset", "tiny")), root)
 
 
+def start_checkpoint(env: str, params: dict[str, Any], root: Path = Path("."), profile: str | None = None) -> Path:
+    """What the first RL phase (and a fixed-h baseline) starts from: the last warm-start stage's checkpoint
+    (``curriculum.<env>.profiles.<profile>.warm_start``), else the base model."""
+    from training.warm import checkpoint_of
+
+    stages = curriculum_config(env, profile, params).warm_start if env in params.get("curriculum", {}) else []
+    if not stages:
+        return base_model_dir(params, root)
+    return checkpoint_of(Run(env, root=root).warm(len(stages) - 1), stages[-1])
+
+
 class PhaseSpec(BaseModel):
     """Everything one phase's training needs, as values: what its DVC stage records as params and deps."""
 
@@ -369,15 +380,35 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
             raise ConfigError(f"phases.yaml has no {env}.phase_{index}: run `scalinginter pipeline`")
         row = table[f"phase_{index}"]
         h, steps = int(row["h"]), int(row["steps"])
-        init = base_model_dir(params, root) if index == 0 else run.final(index - 1)
+        init = start_checkpoint(env, params, root, profile) if index == 0 else run.final(index - 1)
         adaptive = adaptive_rule(env, index, profile, params)
-    else:
-        h, steps, init = fixed_h, curriculum_config(env, profile, params).total_steps, base_model_dir(params, root)
+    else:  # from the same start as the curriculum, so the two compare fairly
+        h, steps = fixed_h, curriculum_config(env, profile, params).total_steps
+        init = start_checkpoint(env, params, root, profile)
     components = mixed_components(env, params)  # the mixed run trains on its environments, joined by commas
     return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=init, out=run.phase(index),
                      train=train_config(env, profile, params=params), server=server_config(env, params),
                      servers={e: server_config(e, params) for e in components} if len(components) > 1 else {},
                      policy_server=policy_server_config(params), adaptive=adaptive)
+
+
+def warm_spec(env: str, index: int, root: Path) -> tuple[Any, Path, Path]:
+    """Warm-start stage ``index`` of ``env``'s run in the working copy at ``root``: (its typed settings from
+    phases.yaml, the checkpoint it starts from, its folder)."""
+    from training.warm import checkpoint_of, parse_stage
+
+    table = _phases_file(root).get(env, {})
+    if f"warm_{index}" not in table:
+        raise ConfigError(f"phases.yaml has no {env}.warm_{index}: add the stage to curriculum.{env}.profiles."
+                          "<profile>.warm_start in params.yaml and run `scalinginter pipeline`")
+    run = Run(env, root=root)
+    init = (base_model_dir(load_params(root / "params.yaml"), root) if index == 0
+            else checkpoint_of(run.warm(index - 1), parse_stage(table[f"warm_{index - 1}"])))
+    try:
+        stage = parse_stage(table[f"warm_{index}"])
+    except ValidationError as err:
+        raise ConfigError(f"phases.yaml {env}.warm_{index}: {err}") from err
+    return stage, init, run.warm(index)
 
 
 def adaptive_rule(env: str, index: int, profile: str | None = None, params: dict[str, Any] | None = None

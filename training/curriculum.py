@@ -25,6 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from training.warm import WarmStage
+
 Mode = Literal["scaling_inter", "fixed", "adaptive"]
 
 
@@ -136,6 +138,8 @@ class CurriculumConfig(BaseModel):
     schedule: list[tuple[int, int]] | None = Field(None, description="explicit (h, steps) list instead")
     fixed_h: int | None = Field(None, ge=1, description="turn cap of the fixed baseline")
     adaptive: AdaptiveRule = AdaptiveRule()
+    warm_start: list[WarmStage] = Field(default_factory=list, description="phases of other types (sft, rft, dpo) "
+                                        "before the first RL phase, in order, each from the last (training.warm)")
 
     @model_validator(mode="after")
     def _one_form(self) -> CurriculumConfig:

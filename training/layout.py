@@ -1,6 +1,7 @@
 """Where a run's files live: every path of the pipeline comes from here.
 
     models/<preset>/                                   the base model (params.yaml ``model.preset``)
+    runs/<env>/warm-<k>/                               a warm-start stage (sft, rft, dpo) before the RL phases
     runs/<env>/phase-<k>/final/                        a curriculum phase's checkpoint (a clean HF folder)
     runs/<env>/phase-<k>/final-state/                  its trainer state (optimizer, RNG, data position)
     runs/<env>/phase-<k>/{intermediate,rollouts,dvclive}/
@@ -49,6 +50,10 @@ class Run:
     @property
     def dir(self) -> Path:
         return self.root / RUNS / self.name
+
+    def warm(self, index: int) -> Path:
+        """The folder of warm-start stage ``index`` (training.warm): its checkpoint(s) and its training episodes."""
+        return self.dir / f"warm-{index}"
 
     def phase(self, index: int) -> Path:
         """The phase folder: intermediate/, final/, dvclive/, rollouts/."""

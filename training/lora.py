@@ -29,6 +29,13 @@ class LoraSettings(BaseModel):
                                       description="module names to adapt (Qwen2's attention projections)")
 
 
+def lora_of_rank(rank: int) -> LoraSettings | None:
+    """Adapters of rank ``rank`` (alpha 2r, the attention projections), or None (every weight trains) at 0."""
+    if rank < 0:
+        raise ValueError(f"a LoRA rank is 0 (no LoRA) or positive, not {rank}")
+    return LoraSettings(r=rank, alpha=2.0 * rank) if rank else None
+
+
 def with_lora(model: Any, settings: LoraSettings) -> Any:
     """``model`` wrapped with fresh adapters; every other parameter frozen."""
     from peft import LoraConfig, get_peft_model

@@ -78,8 +78,10 @@ def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig
 
 
 def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFTConfig,
-        progress: bool = False) -> list[Path]:
-    """Run (or continue) ``config.rounds`` rounds from ``init`` into ``out/round-<r>``; the rounds' checkpoints."""
+        progress: bool = False, record: dict[str, Any] | None = None) -> list[Path]:
+    """Run (or continue) ``config.rounds`` rounds from ``init`` into ``out/round-<r>``; the rounds' checkpoints.
+    ``record`` adds to each round's manifest. A finished round is reused only if it was made with these settings,
+    from ``init``'s chain, on these items."""
     if not items:
         raise ValueError("rejection sampling got no items: give the item ids to sample on")
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,16 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
     for r in range(config.rounds):
         folder = out / f"round-{r}"
         if (folder / MANIFEST).exists():  # done in an earlier run: verified, then the next round starts from it
-            read_manifest(folder, verify=True)
+            done = read_manifest(folder, verify=True)
+            # the same settings but the number of rounds (a run may go on for more), from this chain, on these items
+            made = {"rft": {**(done.get("rft") or {}), "rounds": None}, "parent": done.get("parent"),
+                    "items": done.get("items")}
+            wanted = {"rft": {**config.model_dump(mode="json"), "rounds": None}, "parent": folder_hash(policy),
+                      "items": items}
+            if made != wanted:
+                differ = ", ".join(k for k in made if made[k] != wanted[k])
+                raise ValueError(f"{folder} was made with other settings ({differ} differ): remove {out} to start "
+                                 "over, or write this run to another folder")
             policy = folder
             rounds.append(folder)
             continue
@@ -106,11 +117,12 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
         atomic_write(out / f"round-{r}.jsonl", "".join(
             json.dumps({"env": env, "round": r, "policy": parent, **t.log_record()}) + "\n" for t in kept))
         log.info("round %d: kept %d of %d episodes (sampling success %.1f%%)", r, len(kept), len(sampled), 100 * rate)
-        record: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h, "rft": config.model_dump(),
-                                  "sampled": len(sampled), "kept": len(kept), "env_errors": errors,
-                                  "sample_success": rate, "kept_file": f"round-{r}.jsonl"}
+        fields: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h,
+                                  "rft": config.model_dump(mode="json"), "items": items, "sampled": len(sampled),
+                                  "kept": len(kept), "env_errors": errors, "sample_success": rate,
+                                  "kept_file": f"round-{r}.jsonl", **(record or {})}
         sft(policy, folder, [training_conversation(t.log_record()) for t in kept], config.sft, progress=progress,
-            record=record)
+            record=fields)
         policy = folder
         rounds.append(folder)
     return rounds

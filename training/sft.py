@@ -36,18 +36,30 @@ from training.trajectory import Trajectory
 log = logging.getLogger(__name__)
 
 
-def expert_conversations(env: str, item_ids: list[str]) -> list[list[dict[str, str]]]:
-    """The rollout-format message list of an expert episode on each item (played in-process)."""
+def expert_conversations(env: str, item_ids: list[str], count: int | None = None,
+                         max_turns: int | None = None) -> list[list[dict[str, str]]]:
+    """The rollout-format message list of an expert episode on each item (played in-process); with ``max_turns``,
+    only the items the expert solves within that many replies, in order, until ``count`` are found."""
+    return list(expert_episodes(env, item_ids, count, max_turns).values())
+
+
+def expert_episodes(env: str, item_ids: list[str], count: int | None = None,
+                    max_turns: int | None = None) -> dict[str, list[dict[str, str]]]:
+    """``{item_id: messages}`` of :func:`expert_conversations`."""
     start = spec_class(env).conversation_start
     client = local_client(env)
-    out = []
+    out: dict[str, list[dict[str, str]]] = {}
     try:
         for item in item_ids:
+            if count is not None and len(out) >= count:
+                break
             texts = recorded_episode(env, client, item_index(item))
+            if max_turns is not None and (len(texts) - 1) // 2 > max_turns:
+                continue
             messages = opening_messages(start, texts[0])
             for reply, observation in zip(texts[1::2], texts[2::2], strict=True):
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
-            out.append(messages[:-1])  # the episode ends with the agent's last reply
+            out[item] = messages[:-1]  # the episode ends with the agent's last reply
     finally:
         client.close()
         client.backend.shutdown()

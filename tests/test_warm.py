@@ -1,0 +1,108 @@
+"""Phase types (issue 21): SFT, RFT and DPO stages before the RL phases, declared in params.yaml, each a DVC stage
+from the last one's checkpoint, in the lineage and the evaluation, on BabyAI with the tiny policy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.dvc_pipeline import BASE, render
+from training.config import ConfigError, curriculum_config, load_params
+from training.warm import RFTStage, checkpoint_of, parse_stage
+
+#: SFT on 8 items the expert solves in two turns, then a round of rejection sampling and DPO on the same items
+#: (the tiny policy replays what it learnt well enough that some of its samples succeed and some fail)
+WARM = [{"method": "sft", "items": 8, "max_turns": 2, "epochs": 16, "batch_size": 2, "lr": 3.0e-3},
+        {"method": "rft", "items": 8, "max_turns": 2, "rounds": 1, "k": 4, "h": 2, "epochs": 2, "max_new_tokens": 24},
+        {"method": "dpo", "items": 8, "max_turns": 2, "k": 4, "h": 2, "epochs": 2, "max_new_tokens": 24}]
+
+
+def _params(warm: list[dict], env: str = "babyai") -> dict:
+    params = load_params()
+    params["pipeline"]["envs"] = [env]
+    params["curriculum"][env]["profiles"]["smoke"]["warm_start"] = warm
+    params["pipeline"]["baselines"] = True
+    return params
+
+
+def test_warm_start_stages_chain_before_the_first_phase_and_the_baselines() -> None:
+    phases_text, dvc_text = render(_params(WARM))
+    rows = yaml.safe_load(phases_text)["babyai"]
+    assert list(rows)[:4] == ["warm_0", "warm_1", "warm_2", "phase_0"]
+    assert rows["warm_1"]["method"] == "rft" and rows["warm_1"]["k"] == 4  # every setting is a param of its stage
+    stages = yaml.safe_load(dvc_text)["stages"]
+    assert f"--index 0 --init {BASE} --out runs/babyai/warm-0" in stages["babyai_warm_0"]["cmd"]
+    assert "--init runs/babyai/warm-0/final" in stages["babyai_warm_1"]["cmd"]
+    assert "runs/babyai/warm-0" in stages["babyai_warm_1"]["deps"]
+    assert "--init runs/babyai/warm-1/round-0" in stages["babyai_warm_2"]["cmd"]  # an RFT run ends with its last round
+    assert stages["babyai_warm_2"]["params"] == [{"phases.yaml": ["babyai.warm_2"]}]
+    for stage in ("babyai_phase_0", "babyai_fixed_h6"):  # the curriculum and its baselines start from the same place
+        assert "--init runs/babyai/warm-2/final" in stages[stage]["cmd"], stages[stage]["cmd"]
+        assert "runs/babyai/warm-2" in stages[stage]["deps"] and BASE not in stages[stage]["deps"]
+    assert "runs/babyai/warm-2" in stages["babyai_eval"]["deps"]
+    # without a warm start the pipeline is what it was: phase 0 from the base model
+    plain = yaml.safe_load(render(_params([]))[1])["stages"]
+    assert not any("warm" in name for name in plain) and f"--init {BASE} " in plain["babyai_phase_0"]["cmd"]
+
+
+def test_a_bad_warm_start_names_the_key_and_the_mixed_run_has_none() -> None:
+    with pytest.raises(ConfigError, match=r"curriculum\.babyai\.profiles\.smoke(.|\n)*warm_start"):
+        curriculum_config("babyai", "smoke", _params([{"method": "ppo"}]))
+    with pytest.raises(ConfigError, match="beta"):
+        curriculum_config("babyai", "smoke", _params([{"method": "dpo", "beta": -1}]))
+    with pytest.raises(ConfigError, match="mixed run has no warm start"):
+        render(_params([{"method": "sft"}], env="mixed"))
+    stage = parse_stage({"method": "rft", "rounds": 3})
+    assert isinstance(stage, RFTStage) and checkpoint_of(Path("w"), stage) == Path("w/round-2")
+
+
+@pytest.mark.slow
+def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
+    """The flow runs SFT -> RFT -> DPO -> a GRPO phase on BabyAI, each from the last one's checkpoint; the lineage
+    agrees with dvc.lock, the evaluation covers every checkpoint, and a changed DPO setting reruns DPO and what
+    follows it, never SFT nor RFT."""
+    from flows.dvc_pipeline import set_params
+    from flows.lineage import lineage
+    from tests.test_pipeline import _ran, _sh, _workspace
+
+    work = _workspace(tmp_path, one_step_phases=1)
+    set_params({"curriculum.babyai.profiles.smoke.warm_start": WARM}, work)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200"}
+    done = subprocess.run([str(bin_dir / "scalinginter"), "run", "--env", "babyai", "--profile", "smoke", "--record",
+                           "none"], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "babyai_warm_2: trained" in out and "done: 3 warm-start stages, 1 phases" in out, out[-3000:]
+
+    records, problems, _ = lineage("babyai", work)
+    assert problems == []
+    assert [(r.stage, r.algorithm) for r in records] == [("babyai_warm_0", "sft"), ("babyai_warm_1", "rft"),
+                                                          ("babyai_warm_2", "dpo"), ("babyai_phase_0", "grpo")]
+    assert all(after.parent == before.own for before, after in itertools.pairwise(records))
+    assert "round 0: kept" in records[1].trained and "pairs" in records[2].trained
+    # what each stage trained on is in the store beside its checkpoint
+    expert = [json.loads(line) for line in (work / "runs/babyai/warm-0/episodes.jsonl").open()]
+    assert len(expert) == 8 and all(e["source"] == "expert" for e in expert)
+    assert (work / "runs/babyai/warm-1/round-0.jsonl").exists()
+    assert (work / "runs/babyai/warm-2/final.pairs.jsonl").exists()
+    evaluated = json.loads((work / "runs/babyai/eval/metrics.json").read_text())["checkpoints"]
+    assert list(evaluated) == ["base", "warm-0-sft", "warm-1-rft", "warm-2-dpo", "phase-0"]
+
+    # a changed DPO setting: DPO and the phase after it are stale, SFT and RFT are not
+    set_params({"curriculum.babyai.profiles.smoke.warm_start": [*WARM[:2], {**WARM[2], "beta": 0.2}]}, work)
+    _sh(work, "scalinginter", "pipeline")
+    status = _sh(work, "dvc", "status", "babyai_phase_0", "--with-deps")
+    assert "babyai_warm_2" in status and "babyai_warm_0" not in status and "babyai_warm_1" not in status
+    broken = records[2].own
+    assert _ran(_sh(work, "dvc", "repro", "babyai_phase_0")) == ["babyai_warm_2", "babyai_phase_0"]
+    records, problems, _ = lineage("babyai", work)
+    assert problems == [] and records[2].own != broken and records[3].parent == records[2].own

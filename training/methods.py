@@ -1,0 +1,88 @@
+"""Running a warm-start stage (:mod:`training.warm`): SFT, rejection sampling or DPO from a checkpoint into the
+stage's folder, with the stage's settings in every manifest it writes (``warm_start``).
+
+    run_warm_stage("babyai", 0, parse_stage({"method": "sft", "items": 64}), Path("models/tiny"),
+                   Path("runs/babyai/warm-0"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from envs.files import atomic_write
+from envs.launcher import running_replicas
+from training.config import ServerConfig, SFTConfig
+from training.dpo import DPOConfig, dpo, preference_pairs
+from training.lora import lora_of_rank
+from training.rft import RFTConfig, rft, sample
+from training.sft import expert_episodes, sft, sft_items
+from training.store import read_episodes, training_conversation
+from training.warm import DPOStage, RFTStage, SFTStage
+
+
+def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, init: Path, out: Path,
+                   url: str | None = None, server: ServerConfig | None = None, progress: bool = False) -> Path:
+    """Run warm-start stage ``index`` of ``env`` from ``init`` into the folder ``out``; returns its checkpoint.
+    Sampling methods use the environment server at ``url``, or servers started here with ``server`` (a
+    ``ServerConfig``) and always stopped; SFT on expert episodes plays them in-process."""
+    record = {"warm_start": {"index": index, **stage.model_dump()}}
+    out.mkdir(parents=True, exist_ok=True)
+    lora = lora_of_rank(stage.lora_r)
+    sft_config = SFTConfig(epochs=stage.epochs, lr=stage.lr, seed=stage.seed, lora=lora,
+                           **({"batch_size": stage.batch_size, "max_tokens": stage.max_tokens}
+                              if isinstance(stage, SFTStage) else {}))
+    if isinstance(stage, SFTStage):
+        return _sft_stage(env, stage, init, out, sft_config, record, progress)
+    ids = list(_items(env, stage)) if stage.max_turns else sft_items(env, stage.items, sub_tasks=stage.sub_tasks)
+    if not ids:
+        raise ValueError(f"warm start {index} ({stage.method}): the {env} training split has no items of sub-tasks "
+                         f"{stage.sub_tasks}")
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            if server is None:
+                raise ValueError(f"warm start {index} ({stage.method}) samples episodes: give an environment server "
+                                 "URL or the server settings to start one")
+            url = stack.enter_context(running_replicas(env, **server.launch_kwargs()))
+        if isinstance(stage, RFTStage):
+            config = RFTConfig(rounds=stage.rounds, k=stage.k, h=stage.h, temperature=stage.temperature,
+                               max_new_tokens=stage.max_new_tokens, keep=stage.keep, batch_items=stage.batch_items,
+                               seed=stage.seed, sft=sft_config)
+            return rft(init, out, env, url, ids, config, progress=progress, record=record)[-1]
+        sampling = RFTConfig(k=stage.k, h=stage.h, temperature=stage.temperature, max_new_tokens=stage.max_new_tokens,
+                             batch_items=stage.batch_items, seed=stage.seed)
+        config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
+                           max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora)
+        pairs = preference_pairs(sample(init, env, url, ids, sampling, 0), config.max_pairs_per_item, config.seed)
+    return dpo(init, out / "final", pairs, config, progress=progress, record=record)
+
+
+def _items(env: str, stage: SFTStage | RFTStage | DPOStage) -> dict[str, list[dict[str, str]]]:
+    """The stage's items with their expert episodes: the first ``items`` of the training split (of ``sub_tasks``)
+    that the expert solves within ``max_turns``."""
+    candidates = sft_items(env, 10**9 if stage.max_turns else stage.items, sub_tasks=stage.sub_tasks)
+    episodes = expert_episodes(env, candidates, stage.items, stage.max_turns)
+    if len(episodes) < stage.items:
+        raise ValueError(f"the {env} training split has only {len(episodes)} items (sub-tasks {stage.sub_tasks}) "
+                         f"the expert solves within {stage.max_turns} turns, not {stage.items}: lower items or "
+                         "raise max_turns")
+    return episodes
+
+
+def _sft_stage(env: str, stage: SFTStage, init: Path, out: Path, config: Any, record: dict[str, Any],
+               progress: bool) -> Path:
+    if stage.recorded:
+        records, sources = read_episodes([Path(p) for p in stage.recorded])
+        conversations = [training_conversation(r) for r in records]
+        record = {**record, "source": "recorded", "sources": sources}
+    else:
+        episodes = _items(env, stage)
+        conversations = list(episodes.values())
+        # the expert episodes in the store's record, so any method can train on them again and the lineage says which
+        atomic_write(out / "episodes.jsonl", "".join(
+            json.dumps({"env": env, "item_id": item, "source": "expert", "success": True, "conversation": c}) + "\n"
+            for item, c in episodes.items()))
+        record = {**record, "source": "expert", "episodes_file": "episodes.jsonl"}
+    return sft(init, out / "final", conversations, config, progress=progress, record=record)

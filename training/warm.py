@@ -1,0 +1,96 @@
+"""Phase types besides RL: the methods a curriculum may run before its first RL phase (params.yaml
+``curriculum.<env>.profiles.<profile>.warm_start``), each a DVC stage ``<env>_warm_<k>`` whose checkpoint the next
+one starts from, so a curriculum can be SFT -> RFT -> GRPO phases with one lineage.
+
+    warm_start:
+      - {method: sft, items: 32, epochs: 3}              # expert episodes (or `recorded: [files]`)
+      - {method: rft, items: 32, rounds: 2, k: 4, h: 6}  # sample -> keep successes -> SFT, per round
+      - {method: dpo, items: 32, k: 4, h: 6, beta: 0.1}  # a success against a failure of the same item
+
+Stage ``k`` writes ``runs/<env>/warm-<k>/``: the checkpoint (``final/``, or an RFT run's ``round-<r>/`` folders,
+the last being its checkpoint), the episodes it trained on in the rollout log's JSONL record (``episodes.jsonl``,
+``round-<r>.jsonl``, ``final.pairs.jsonl``), and the stage's settings in each manifest (``warm_start``), which
+the lineage compares with dvc.lock. ``lora_r`` > 0 trains LoRA adapters of that rank (merged on export).
+:func:`training.methods.run_warm_stage` runs a stage; this module holds only its settings (what params.yaml
+and the curriculum read).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+#: the phase types a warm start may use
+METHODS = ("sft", "rft", "dpo")
+
+
+class _Method(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    items: int = Field(32, ge=1, description="the first N items of the training split (its stratified order)")
+    sub_tasks: list[str] | None = Field(None, description="only items of these sub-tasks")
+    max_turns: int | None = Field(None, ge=1, description="only items the expert solves within this many turns (the "
+                                  "first `items` such items: every method of a warm start then sees the same ones)")
+    epochs: int = Field(3, ge=1, description="passes over the stage's training data")
+    lora_r: int = Field(0, ge=0, description="train LoRA adapters of this rank only (0: every weight)")
+    seed: int = 0
+
+
+class _Sampling(BaseModel):
+    k: int = Field(4, ge=1, description="episodes sampled per item")
+    h: int = Field(6, ge=1, description="turn cap of the sampled episodes")
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
+    batch_items: int = Field(8, ge=1, description="items rolled out at once")
+
+
+class SFTStage(_Method):
+    """Supervised fine-tuning on expert episodes of ``items`` training items, or on the successful episodes
+    recorded in ``recorded`` (JSONL files or folders: a phase's rollouts/, RFT rounds, DPO pairs)."""
+
+    method: Literal["sft"]
+    recorded: list[str] | None = Field(None, description="recorded episode files instead of expert episodes")
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+    max_tokens: int = Field(2048, ge=16, description="longest episode trained on (longer ones left out, counted)")
+
+
+class RFTStage(_Method, _Sampling):
+    """Rejection sampling (AgentEvol-style): ``rounds`` of sample k per item -> keep successes -> SFT."""
+
+    method: Literal["rft"]
+    rounds: int = Field(2, ge=1)
+    keep: Literal["all", "shortest"] = "all"
+    lr: float = Field(1e-3, gt=0)
+
+
+class DPOStage(_Method, _Sampling):
+    """DPO on the policy's own episodes: each item's successes against its failures."""
+
+    method: Literal["dpo"]
+    beta: float = Field(0.1, gt=0)
+    lr: float = Field(5e-5, gt=0)
+    batch_pairs: int = Field(8, ge=1)
+    max_pairs_per_item: int = Field(4, ge=1)
+
+
+WarmStage = Annotated[SFTStage | RFTStage | DPOStage, Field(discriminator="method")]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(WarmStage)
+
+
+def parse_stage(row: dict[str, Any]) -> SFTStage | RFTStage | DPOStage:
+    """A phases.yaml / params.yaml row as its typed stage (a ValidationError names the bad field)."""
+    return _ADAPTER.validate_python(row)
+
+
+def checkpoint_of(folder: Path, stage: SFTStage | RFTStage | DPOStage) -> Path:
+    """The checkpoint stage ``folder`` ends with: an RFT run's last round, else ``final``."""
+    return folder / (f"round-{stage.rounds - 1}" if isinstance(stage, RFTStage) else "final")
+
+
+def stage_checkpoints(folder: Path, stage: SFTStage | RFTStage | DPOStage) -> list[Path]:
+    """Every checkpoint the stage writes, in order (an RFT run's rounds; one otherwise)."""
+    if isinstance(stage, RFTStage):
+        return [folder / f"round-{r}" for r in range(stage.rounds)]
+    return [folder / "final"]
