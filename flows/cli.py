@@ -410,13 +410,13 @@ def sft(
     _check_env(env)
     record: dict[str, object] = {}
     if from_:
-        from training.store import read_episodes, training_conversation
+        from training.store import read_episodes
 
         try:
             records, sources = read_episodes([Path(p) for p in from_])
         except (OSError, ValueError) as err:
             _fail(str(err))
-        conversations = [training_conversation(r) for r in records]
+        conversations = records  # their own token ids where they are in this tokenizer
         record = {"source": "recorded", "sources": sources}  # the lineage: which files, by their sha256
     else:
         with console.status(f"playing {episodes} {env} expert episodes"):

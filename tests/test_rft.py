@@ -75,6 +75,27 @@ def test_the_cli_runs_rounds_on_a_server_it_starts(bandit_warm_start, tmp_path) 
     assert bad.returncode != 0 and "keep" in bad.stdout + bad.stderr
 
 
+def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(env_server, bandit_warm_start,
+                                                                               tmp_path) -> None:
+    from training.model import load_policy
+    from training.rft import sample
+    from training.rollout import ChatFormat
+    from training.store import recorded_trajectory
+
+    _, tokenizer = load_policy(bandit_warm_start)
+    chat = ChatFormat(tokenizer)
+    [t] = sample(bandit_warm_start, "bandit", env_server("bandit"), TRAIN[:1], RFTConfig(k=1, h=1, max_new_tokens=16),
+                 0)
+    record = json.loads(json.dumps(t.log_record()))  # as read back from a JSONL file
+    assert record["tokenizer"] == chat.fingerprint and len(record["tokenizer"]) == 16
+    again = recorded_trajectory(record, chat)
+    end = t.reward_index + 1  # up to the last agent token: the final observation is not trained on
+    assert again is not None and again.input_ids == t.input_ids[:end] and again.loss_mask == t.loss_mask[:end]
+    assert sum(again.loss_mask) == sum(t.loss_mask) > 0
+    assert recorded_trajectory({**record, "tokenizer": "0" * 16}, chat) is None  # another model's ids: re-encode
+    assert recorded_trajectory({k: v for k, v in record.items() if k != "input_ids"}, chat) is None
+
+
 def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_start, tmp_path) -> None:
     """The store: an RFT round's and a DPO run's recorded episodes are SFT data (`scalinginter sft --from`); the
     checkpoint names the files by sha256."""
@@ -90,6 +111,7 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_manifest(tmp_path / "sft")
     assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
+    assert manifest["recorded_token_ids"] == len(records)  # trained on the very tokens sampled, not re-encoded
     bad = subprocess.run([*cmd[:-4], "--from", str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "no recorded episodes at" in bad.stdout + bad.stderr

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from flows.dvc_pipeline import BASE, render
+from training.checkpoint import read_manifest
 from training.config import ConfigError, curriculum_config, load_params
 from training.warm import RFTStage, checkpoint_of, parse_stage
 
@@ -92,6 +93,9 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     # what each stage trained on is in the store beside its checkpoint
     expert = [json.loads(line) for line in (work / "runs/babyai/warm-0/episodes.jsonl").open()]
     assert len(expert) == 8 and all(e["source"] == "expert" for e in expert)
+    assert all(e["input_ids"] and e["assistant_spans"] and e["tokenizer"] for e in expert)  # the store's token ids
+    rft_round = read_manifest(work / "runs/babyai/warm-1/round-0")
+    assert rft_round["recorded_token_ids"] == rft_round["kept"] > 0  # RFT trained on the very tokens it sampled
     assert (work / "runs/babyai/warm-1/round-0.jsonl").exists()
     assert (work / "runs/babyai/warm-2/final.pairs.jsonl").exists()
     evaluated = json.loads((work / "runs/babyai/eval/metrics.json").read_text())["checkpoints"]

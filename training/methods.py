@@ -12,14 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from envs.files import atomic_write
 from envs.launcher import running_replicas
 from training.config import ServerConfig, SFTConfig
 from training.dpo import DPOConfig, dpo, preference_pairs
 from training.lora import lora_of_rank
 from training.rft import RFTConfig, rft, sample
-from training.sft import expert_episodes, sft, sft_items
-from training.store import read_episodes, training_conversation
+from training.rollout import ChatFormat
+from training.sft import expert_episodes, sft, sft_items, to_trajectory
+from training.store import read_episodes
 from training.warm import DPOStage, RFTStage, SFTStage
 
 
@@ -75,14 +78,19 @@ def _sft_stage(env: str, stage: SFTStage, init: Path, out: Path, config: Any, re
                progress: bool) -> Path:
     if stage.recorded:
         records, sources = read_episodes([Path(p) for p in stage.recorded])
-        conversations = [training_conversation(r) for r in records]
+        conversations: list[Any] = records  # their own token ids where they are in this tokenizer
         record = {**record, "source": "recorded", "sources": sources}
     else:
         episodes = _items(env, stage)
         conversations = list(episodes.values())
         # the expert episodes in the store's record, so any method can train on them again and the lineage says which
-        atomic_write(out / "episodes.jsonl", "".join(
-            json.dumps({"env": env, "item_id": item, "source": "expert", "success": True, "conversation": c}) + "\n"
-            for item, c in episodes.items()))
+        chat = ChatFormat(AutoTokenizer.from_pretrained(str(init)))
+        lines = []
+        for item, messages in episodes.items():
+            t = to_trajectory(messages, chat.tokenizer)
+            lines.append(json.dumps({"env": env, "item_id": item, "source": "expert", "success": True,
+                                     "conversation": messages, "tokenizer": chat.fingerprint,
+                                     "input_ids": t.input_ids, "assistant_spans": t.assistant_spans()}) + "\n")
+        atomic_write(out / "episodes.jsonl", "".join(lines))
         record = {**record, "source": "expert", "episodes_file": "episodes.jsonl"}
     return sft(init, out / "final", conversations, config, progress=progress, record=record)

@@ -28,7 +28,6 @@ from training.engine import HFEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 from training.sft import sft
-from training.store import training_conversation
 from training.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -121,7 +120,7 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
                                   "rft": config.model_dump(mode="json"), "items": items, "sampled": len(sampled),
                                   "kept": len(kept), "env_errors": errors, "sample_success": rate,
                                   "kept_file": f"round-{r}.jsonl", **(record or {})}
-        sft(policy, folder, [training_conversation(t.log_record()) for t in kept], config.sft, progress=progress,
+        sft(policy, folder, [t.log_record() for t in kept], config.sft, progress=progress,
             record=fields)
         policy = folder
         rounds.append(folder)

@@ -20,6 +20,8 @@ training and counted. Every instance is closed, also on exceptions and cancellat
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import time
 from collections import Counter
@@ -100,6 +102,15 @@ class ChatFormat:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identity of the tokenizer's vocabulary, merges and chat template: token ids recorded under one
+        fingerprint mean the same text under every tokenizer with it."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        vocab = backend.to_str() if backend is not None else json.dumps(sorted(self.tokenizer.get_vocab().items()))
+        template = str(getattr(self.tokenizer, "chat_template", "") or "")
+        return hashlib.sha256((vocab + "\0" + template).encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -207,15 +218,16 @@ class Rollout:
         if h < 1:
             raise ValueError(f"the turn cap h must be >= 1, got {h}")
         started = time.perf_counter()
-        trajectories = [Trajectory(item_id, group, sample) for group, item_id in enumerate(item_ids)
-                        for sample in range(self.config.n_samples)]
+        trajectories = [Trajectory(item_id, group, sample, tokenizer=self.chat.fingerprint)
+                        for group, item_id in enumerate(item_ids) for sample in range(self.config.n_samples)]
         result = RolloutResult(trajectories)
         self._play(result, trajectories, h, step, progress)
         # trajectories a replica lost when it died are rolled out again on the live ones (once)
         lost = [i for i, t in enumerate(trajectories) if t.termination == "env_error" and t.server in self.dead]
         live = len(self.urls) - len(self.dead)
         if lost and live:
-            again = [Trajectory(trajectories[i].item_id, trajectories[i].group, trajectories[i].sample) for i in lost]
+            again = [Trajectory(trajectories[i].item_id, trajectories[i].group, trajectories[i].sample,
+                                tokenizer=self.chat.fingerprint) for i in lost]
             self._play(result, again, h, step, progress)
             result.failed_attempts = [trajectories[i] for i in lost]
             for i, t in zip(lost, again, strict=True):

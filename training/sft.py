@@ -31,6 +31,7 @@ from training.lora import save_lora, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
 from training.rollout import ChatFormat, opening_messages
+from training.store import recorded_trajectory, training_conversation
 from training.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,24 @@ def to_trajectory(messages: list[dict[str, str]], tokenizer: Any, group: int = 0
     return t
 
 
-def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config: SFTConfig,
+def sft(init: Path, out: Path, conversations: list[list[dict[str, str]] | dict[str, Any]], config: SFTConfig,
         progress: bool = False, record: dict[str, Any] | None = None) -> Path:
-    """Fine-tune ``init`` on ``conversations``; write an atomic checkpoint to ``out``; return it. ``record`` adds
-    to (or overrides, e.g. ``kind``) the manifest's fields."""
+    """Fine-tune ``init`` on ``conversations`` (message lists, or recorded episodes of ``training.store``: their
+    own token ids when they are in this tokenizer, else their conversation re-encoded); write an atomic checkpoint
+    to ``out``; return it. ``record`` adds to (or overrides, e.g. ``kind``) the manifest's fields."""
     device = resolve_device(config.device)
     if (Path(init) / MANIFEST).exists():  # a checkpoint or a base model written here: verified before it is loaded
         read_manifest(Path(init), verify=True)
     model, tokenizer = load_policy(init, device)
-    examples = [to_trajectory(m, tokenizer, i) for i, m in enumerate(conversations)]
+    chat = ChatFormat(tokenizer)
+    examples, exact = [], 0
+    for i, episode in enumerate(conversations):
+        if isinstance(episode, dict):  # a recorded episode: the very tokens it was sampled as, when they can be
+            recorded = recorded_trajectory(episode, chat, i)
+            exact += recorded is not None
+            examples.append(recorded or to_trajectory(training_conversation(episode), tokenizer, i))
+        else:
+            examples.append(to_trajectory(episode, tokenizer, i))
     if not examples:
         raise ValueError("SFT got no conversations: give at least one expert episode")
     lengths = [len(e.input_ids) for e in examples]
@@ -122,7 +132,8 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]]], config
             losses.append(float(loss.detach()))
 
     fields = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
-              "episodes_over_max_tokens": dropped, "final_loss": losses[-1], "first_loss": losses[0],
+              "episodes_over_max_tokens": dropped,
+              "recorded_token_ids": exact, "final_loss": losses[-1], "first_loss": losses[0],
               **(record or {})}
     return save_policy(out, model, tokenizer, config.lora, fields)
 

@@ -3,7 +3,11 @@
 rounds (``round-<r>.jsonl``, with the sampling policy's hash) and DPO pairs (``<out>.pairs.jsonl``, each line
 a chosen and a rejected record). :func:`read_episodes` reads any of them back, so SFT (``scalinginter sft
 --from PATH``) can train on any recorded experience, and the checkpoint's manifest names the files and their
-sha256 (the lineage says which)."""
+sha256 (the lineage says which).
+
+Each record also holds its token ids exactly as the policy sampled them, the agent's spans and the fingerprint of
+the tokenizer they are in (``ChatFormat.fingerprint``): :func:`recorded_trajectory` trains on those very tokens
+when the learner's tokenizer is the same, and re-encodes the conversation otherwise (another model family)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from training.checkpoint import sha256_file
+from training.rollout import ChatFormat
+from training.trajectory import Trajectory
 
 
 def _files(paths: Iterable[Path]) -> list[Path]:
@@ -54,3 +60,19 @@ def training_conversation(record: dict[str, Any]) -> list[dict[str, str]]:
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
     return messages
+
+
+def recorded_trajectory(record: dict[str, Any], chat: ChatFormat, group: int = 0) -> Trajectory | None:
+    """The record's own token ids up to its last agent token, with the agent's spans as the loss mask, when they
+    are in ``chat``'s tokenizer; None when the record has none or another tokenizer's (re-encode it then)."""
+    ids, spans = record.get("input_ids"), record.get("assistant_spans")
+    if not ids or not spans or record.get("tokenizer") != chat.fingerprint:
+        return None
+    end = spans[-1][1]
+    t = Trajectory(item_id=str(record.get("item_id", "recorded")), group=group, sample=0, tokenizer=chat.fingerprint)
+    t.input_ids = list(ids[:end])
+    t.loss_mask = [0] * end
+    for start, stop in spans:
+        t.loss_mask[start:stop] = [1] * (stop - start)
+    t.logprobs = [0.0] * end
+    return t

@@ -48,6 +48,7 @@ class Trajectory:
     error: str | None = None
     started: float = 0.0  # perf_counter at its reset (its wall-clock budget runs from here)
     server: int = 0  # which environment server (replica) holds its instance
+    tokenizer: str = ""  # fingerprint of the tokenizer and chat template its ids are in (ChatFormat.fingerprint)
 
     @property
     def valid(self) -> bool:
@@ -90,8 +91,20 @@ class Trajectory:
     def finish(self, termination: Termination, error: str | None = None) -> None:
         self.termination, self.error = termination, error
 
+    def assistant_spans(self) -> list[list[int]]:
+        """The loss mask as ``[start, end)`` runs of the agent's tokens."""
+        spans: list[list[int]] = []
+        for i, m in enumerate(self.loss_mask):
+            if m and spans and spans[-1][1] == i:
+                spans[-1][1] = i + 1
+            elif m:
+                spans.append([i, i + 1])
+        return spans
+
     def log_record(self) -> dict[str, Any]:
-        """What the rollout log keeps of this trajectory (JSONL, one per line)."""
+        """What the rollout log keeps of this trajectory (JSONL, one per line): the conversation, and the token
+        ids exactly as sampled with the agent's spans and the tokenizer they are in, so a method training on the
+        record later (``training.store``) can use the very tokens instead of re-encoding the text."""
         return {
             "item_id": self.item_id,
             "sample": self.sample,
@@ -105,4 +118,7 @@ class Trajectory:
             "server": self.server,
             "conversation": self.messages,
             "turn_records": [asdict(t) for t in self.turns],
+            "tokenizer": self.tokenizer,
+            "input_ids": self.input_ids,
+            "assistant_spans": self.assistant_spans(),
         }
