@@ -93,6 +93,8 @@ class TrainConfig(BaseModel):
     gamma: float = 1.0
     lam: float = 1.0
     critic_lr: float = 1e-5
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters only (the base weights stay as they "
+                                      "were); checkpoints hold the merged weights and the adapter in lora/")
     # checkpoints
     save_every: int = Field(1, ge=1, description="write an intra-phase checkpoint every N steps")
     keep_checkpoints: int = Field(2, ge=1)
@@ -117,6 +119,9 @@ class TrainConfig(BaseModel):
         if self.drop_flat_groups and self.strategy == "deepspeed":
             raise ValueError("drop_flat_groups leaves each rank a different number of trajectories, so the "
                              "ranks' gradient all-reduces would not line up: use it with the torch strategy")
+        if self.lora is not None and self.strategy != "torch":
+            raise ValueError("lora trains adapters with the torch strategy; DeepSpeed ZeRO shards full weights: set "
+                             "strategy torch or lora null")
         if self.strategy == "deepspeed" and self.zero_stage == 3:
             raise ValueError("train_phase samples with the HF engine from full weights, which ZeRO-3 partitions: "
                              "use zero_stage 1 or 2 (ZeRO-3 is checked by training.strategy_check)")

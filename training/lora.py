@@ -55,10 +55,59 @@ def trainable(model: Any) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def save_lora(model: Any, folder: Path) -> Any:
-    """Write the adapter to ``folder/lora`` and the merged model's weights to ``folder``; returns the merged model
-    (the adapters are folded in: keep training the wrapped one only before this)."""
+#: the adapter's weights file in ``lora/`` (peft's name)
+ADAPTER_FILE = "adapter_model.safetensors"
+#: peft's name of the one adapter this project trains
+ADAPTER = "default"
+
+
+def merged_state_dict(model: Any) -> dict[str, Any]:
+    """The weights of a peft-wrapped model with its adapters folded in (``W + (alpha / r) B A``, computed as peft's
+    own merge computes it), under the plain model's parameter names, without changing ``model``: training can go
+    on with the same adapters and optimizer state."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {name: module.get_delta_weight(ADAPTER) for name, module in base.named_modules()
+              if isinstance(module, LoraLayer)}
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        owner, sep, leaf = key.partition(".base_layer.")
+        if sep:
+            key = f"{owner}.{leaf}"
+            if leaf == "weight" and owner in deltas:
+                value = value + deltas[owner].to(value.dtype)
+        out[key] = value
+    return out
+
+
+def save_lora(model: Any, folder: Path) -> str:
+    """Write the adapter to ``folder/lora`` and the merged weights to ``folder`` (a plain Hugging Face folder),
+    leaving ``model`` as it was; returns the adapter file's sha256."""
+    from training.checkpoint import sha256_file
+
     model.save_pretrained(folder / LORA_DIR)
-    merged = model.merge_and_unload()
-    merged.save_pretrained(folder)
-    return merged
+    model.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(model))
+    return sha256_file(folder / LORA_DIR / ADAPTER_FILE)
+
+
+def load_adapter(model: Any, folder: Path, sha256: str | None = None) -> None:
+    """Load the adapter weights ``folder/lora`` holds into the peft-wrapped ``model`` (a resume); with ``sha256``,
+    refuse a file that does not match it."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from training.checkpoint import CheckpointError, sha256_file
+
+    path = folder / LORA_DIR / ADAPTER_FILE
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {folder} has no LoRA adapter ({LORA_DIR}/{ADAPTER_FILE})")
+    if sha256 is not None and sha256_file(path) != sha256:
+        raise CheckpointError(f"checkpoint {folder}: {LORA_DIR}/{ADAPTER_FILE} fails its recorded sha256; refusing "
+                              "to load it")
+    result = set_peft_model_state_dict(model, load_file(str(path)), adapter_name=ADAPTER)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise CheckpointError(f"checkpoint {folder}: the adapter does not fit this model ({unexpected[:3]} ...)")

@@ -39,6 +39,7 @@ from training.checkpoint import (
     prepare_staging,
     prune,
     read_manifest,
+    sha256_file,
     staging_folder,
     state_folder,
     write_checkpoint,
@@ -51,6 +52,7 @@ from training.devices import autocast, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
+from training.lora import ADAPTER_FILE, LORA_DIR, load_adapter, save_lora, with_lora
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, mixed_rollout, parse_urls, shares
@@ -99,12 +101,20 @@ class PhaseTrainer:
         state_dir = state_folder(source)  # beside an exported checkpoint, inside an intermediate one
         state = _load_state(state_dir / STATE) if (state_dir / STATE).exists() else {}
         self.device = resolve_device(config.device)
-        self.model, self.tokenizer = load_policy(source, self.device)
+        if config.lora is None:
+            self.model, self.tokenizer = load_policy(source, self.device)
+        else:  # adapters on the phase's starting weights; a resume loads the adapters it had trained
+            self.model, self.tokenizer = load_policy(init_checkpoint, self.device)
+            torch.manual_seed(config.seed)  # the adapters' initialisation
+            self.model = with_lora(self.model, config.lora)
+            if resume is not None:
+                load_adapter(self.model, resume, (manifest or {}).get("lora", {}).get("adapter_sha256"))
         self.reference_path = Path(state.get("reference", init_checkpoint))
         self.reference = None
         if config.kl_coef:
             self.reference = load_policy(self.reference_path, self.device)[0].eval().requires_grad_(False)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                                      weight_decay=config.weight_decay)
         self.strategy = make_strategy(config.strategy, self.model, optimizer, config.grad_clip, config.zero_stage,
                                     config.micro_batch_size)
         self.optimizer = self.strategy.optimizer
@@ -424,7 +434,7 @@ class PhaseTrainer:
             self.prefetched[1].exception()
         if self.stale:
             if self.sync is not None:
-                self.sync.push(self.model, self.global_step, save=self.strategy.save_model)
+                self.sync.push(self.model, self.global_step, save=self._save_weights)
             self.strategy.barrier()  # no rank samples before the server has the new weights
             self.stale = False
         if self.sync is None:
@@ -523,6 +533,13 @@ class PhaseTrainer:
                 "critic/returns_mean": float(masked_mean(returns, mask)),
                 "critic/vf_explained_var": explained_variance(values.detach(), returns, mask)}
 
+    def _save_weights(self, folder: Path) -> None:
+        """The actor's weights as a plain model folder (LoRA adapters merged in, the actor unchanged)."""
+        if self.config.lora is not None:
+            save_lora(self.model, folder)
+        else:
+            self.strategy.save_model(folder)
+
     def save(self, name: str) -> Path:
         folder = self.out_dir / name
         state = {
@@ -554,7 +571,9 @@ class PhaseTrainer:
         }
 
         def write(tmp: Path) -> None:
-            self.strategy.save_model(tmp)
+            self._save_weights(tmp)  # with LoRA: merged weights (a plain HF folder) and the adapter in lora/
+            if self.config.lora is not None:
+                record["lora"] = {"adapter_sha256": sha256_file(tmp / LORA_DIR / ADAPTER_FILE)}
             self.tokenizer.save_pretrained(tmp)
             if name == "final":
                 (tmp / "README.md").write_text(model_card(record, self.last_stats))
