@@ -133,7 +133,8 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             length = max(server.max_len(train.context_budget, train.max_new_tokens),
                          server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
             base = build_base_model()  # the server starts on the base model, which a first run has yet to build
-            policy_url, policy_pid = provision_policy_server(base, server, length)
+            policy_url, policy_pid = provision_policy_server(base, server, length,
+                                                             train.lora.r if train.lora is not None else None)
         rows, warm = [], []
         for k, stage in enumerate(curriculum.warm_start):  # sft / rft / dpo before the first RL phase
             print(f"warm start {k}: {stage.method}")

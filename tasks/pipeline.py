@@ -93,12 +93,14 @@ def build_base_model() -> Path:
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
-def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_model_len: int) -> tuple[str, int]:
+def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_model_len: int,
+                            lora_rank: int | None = None) -> tuple[str, int]:
     """Start the vllm engine's server (health-checked) on ``model_dir``; returns (url, pid). Each phase and the
-    evaluation load their own weights into it and verify them with the probe before sampling."""
+    evaluation load their own weights into it and verify them with the probe before sampling; with ``lora_rank``
+    (train.lora) a phase keeps its starting weights there and syncs its adapters in place."""
     from training.vllm_engine import start_vllm, stop_vllm
 
-    url, proc = start_vllm(model_dir, server, max_model_len)
+    url, proc = start_vllm(model_dir, server, max_model_len, lora_rank)
     _servers[proc.pid] = (proc, stop_vllm)
     return url, proc.pid
 

@@ -264,3 +264,31 @@ def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_s
     assert metrics["rollout"]["staleness"] == 1.0
     with pytest.raises(ValueError, match="engine vllm"):
         TrainConfig(max_staleness=1)
+
+
+def test_lora_training_syncs_the_adapter_in_place(env_server, bandit_warm_start, tmp_path) -> None:
+    """train.lora with the vllm engine: the server keeps the phase's starting weights and takes each new adapter in
+    place (a few MB instead of the whole model), verified by the probe after every update; the base it serves
+    under its own name is still the start's."""
+    from training.checkpoint import read_manifest
+    from training.config import TrainConfig
+    from training.lora import LoraSettings
+    from training.model import load_policy
+    from training.trainer import train_phase
+    from training.vllm_engine import probe_logprobs
+
+    config = TrainConfig(engine="vllm", lora=LoraSettings(r=4, alpha=8), batch_items=4, n_samples=2,
+                         max_new_tokens=16, lr=2e-3, mini_batch_size=4, micro_batch_size=4, kl_coef=0)
+    with running_vllm(bandit_warm_start, PolicyServerConfig(), max_model_len=2048, lora_rank=4) as url:
+        final = train_phase("bandit", 0, 1, 3, bandit_warm_start, tmp_path, config=config, url=env_server("bandit"),
+                            policy_url=url)
+        engine = read_manifest(final)["engine"]
+        assert engine["name"] == "vllm" and engine["syncs"] >= 3 and engine["served"]["probe_max_diff"] <= 1e-3
+        model, tokenizer = load_policy(bandit_warm_start)
+        base = VLLMEngine(url, tokenizer.eos_token_id)  # the served name without an adapter: the start's weights
+        ids = probe_sequence(tokenizer)
+        diff = (torch.tensor(base.prompt_logprobs(ids)) - torch.tensor(probe_logprobs(model, ids))).abs().max()
+        assert float(diff) <= 1e-3
+    print(f"LoRA adapter sync: {engine['served']['seconds']:.3f} s (the last of {engine['syncs']})")
+    rows = (tmp_path / "rollouts" / "step-000002.jsonl").read_text().splitlines()
+    assert '"weights": {"step": 2' in rows[-1]  # step 2 sampled from the adapter after step 1's update

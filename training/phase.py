@@ -34,7 +34,8 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
             from training.vllm_engine import running_vllm
 
             length = spec.policy_server.max_len(spec.train.context_budget, spec.train.max_new_tokens)
-            policy_url = stack.enter_context(running_vllm(spec.init, spec.policy_server, length))
+            lora = spec.train.lora.r if spec.train.lora is not None else None  # adapters synced in place
+            policy_url = stack.enter_context(running_vllm(spec.init, spec.policy_server, length, lora))
         return train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train, url=base,
                            progress=progress, adaptive=spec.adaptive, policy_url=policy_url,
                            probe_tolerance=spec.policy_server.probe_tolerance)

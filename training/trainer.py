@@ -176,8 +176,10 @@ class PhaseTrainer:
             if self.strategy.rank == 0:  # every rank samples from the one server; rank 0 keeps it in sync
                 # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very
                 # checkpoint this run starts from, the resumed one included, verified before the first rollout
+                # with LoRA the server keeps the phase's starting weights and takes each new adapter in place
                 self.sync = WeightSync.serving(policy_url, self.tokenizer, self.model, source, self.global_step,
-                                               probe_tolerance)
+                                               probe_tolerance,
+                                               adapter_base=init_checkpoint if config.lora is not None else None)
                 engine = self.sync.engine
             else:
                 engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)

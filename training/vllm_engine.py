@@ -61,8 +61,14 @@ def vllm_python() -> Path:
     return path
 
 
-def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_model_len: int) -> list[str]:
-    """The command line of a vLLM server for ``model_dir`` on 127.0.0.1:``port``."""
+#: the adapter ranks a vLLM server can be sized for (``--max-lora-rank``)
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_model_len: int,
+                   lora_rank: int | None = None) -> list[str]:
+    """The command line of a vLLM server for ``model_dir`` on 127.0.0.1:``port``; with ``lora_rank``, one that
+    serves a LoRA adapter of up to that rank on top (loaded and replaced at run time)."""
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).resolve()),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", config.dtype, "--max-model-len", str(max_model_len), "--seed", "0",
@@ -70,19 +76,27 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
            "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         cmd.append("--enforce-eager")
+    if lora_rank is not None:
+        fits = [r for r in LORA_RANKS if r >= lora_rank]
+        if not fits:
+            raise EngineError(f"a vLLM server serves LoRA ranks up to {LORA_RANKS[-1]}, not {lora_rank}")
+        cmd += ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1"]
     return cmd + list(config.extra_args)
 
 
-def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) -> tuple[str, subprocess.Popen]:
+def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
+               lora_rank: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
-    whose tail is in the error when it does not come up."""
+    whose tail is in the error when it does not come up. ``lora_rank``: it serves LoRA adapters of up to that
+    rank, loaded at run time (the trainer's LoRA weight sync)."""
     if not (Path(model_dir) / "config.json").exists():
         raise EngineError(f"{model_dir} is not a model folder (no config.json): build it first "
                           "(`scalinginter build-model`, or `dvc repro build_model`)")
     port = free_port()
-    cmd = server_command(Path(model_dir), port, config, max_model_len)
+    cmd = server_command(Path(model_dir), port, config, max_model_len, lora_rank)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # the weight-reload and cache endpoints
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT)}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT),
+           **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_rank is not None else {})}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
     log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,9 +129,10 @@ def stop_vllm(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int) -> Iterator[str]:
+def running_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
+                 lora_rank: int | None = None) -> Iterator[str]:
     """:func:`start_vllm` as a context manager: yield the base URL; always stop the server."""
-    url, proc = start_vllm(model_dir, config, max_model_len)
+    url, proc = start_vllm(model_dir, config, max_model_len, lora_rank)
     try:
         yield url
     finally:
@@ -158,7 +173,12 @@ class VLLMEngine:
             if response.status_code != 200:
                 raise EngineError(f"policy server {self.url}: POST {path} answered {response.status_code}: "
                                   f"{response.text[:500]}")
-            return response.json() if response.content else None
+            if not response.content:
+                return None
+            try:
+                return response.json()
+            except ValueError:  # some endpoints answer plain text ("Success: LoRA adapter ... added")
+                return response.text
         raise AssertionError("unreachable")
 
     def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> Generation:
@@ -208,6 +228,20 @@ class VLLMEngine:
                                                                                                   .resolve())}})
         self._post("/reset_prefix_cache", {})
 
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """Serve the LoRA adapter in ``folder`` as ``name`` from now on (on top of the loaded weights); the adapter
+        served before is unloaded. Needs a server started with LoRA enabled (``start_vllm(lora_rank=...)``)."""
+        try:
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
+        except EngineError as err:
+            raise EngineError(f"{err}; the policy server must serve LoRA adapters (started with --enable-lora and "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as run_phase and the flow start it for "
+                              "train.lora)") from err
+        previous, self.model = self.model, name
+        if previous != SERVED_NAME:
+            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
+        self._post("/reset_prefix_cache", {})
+
 
 def weights_hash(folder: Path) -> str:
     """Content hash of a model folder's weight files (what a sync loads)."""
@@ -255,20 +289,28 @@ class WeightVersion:
 class WeightSync:
     """Keeps a vLLM server's weights equal to the trainer's model, verified by a probe after every load."""
 
-    def __init__(self, engine: VLLMEngine, probe_ids: list[int], tolerance: float = 1e-3) -> None:
+    def __init__(self, engine: VLLMEngine, probe_ids: list[int], tolerance: float = 1e-3,
+                 adapter_base: Path | None = None) -> None:
         if len(probe_ids) < 2:
             raise ValueError("the probe needs at least two tokens")
         self.engine, self.probe_ids, self.tolerance = engine, list(probe_ids), tolerance
+        self.adapter_base = adapter_base  # LoRA training: the server keeps these weights, each sync an adapter
         self.workdir = scratch_dir("scalinginter-sync-")
         self.version: WeightVersion | None = None
         self.syncs = 0
 
     @classmethod
     def serving(cls, url: str, tokenizer: Any, model: torch.nn.Module, folder: Path, step: int = 0,
-                tolerance: float = 1e-3) -> WeightSync:
-        """A sync with the server at ``url`` that already serves ``folder`` (``model``'s checkpoint), verified."""
-        sync = cls(VLLMEngine(url, tokenizer.eos_token_id), probe_sequence(tokenizer), tolerance)
-        sync.push(model, step, folder=folder)
+                tolerance: float = 1e-3, adapter_base: Path | None = None) -> WeightSync:
+        """A sync with the server at ``url`` that serves ``folder`` (``model``'s checkpoint), verified. With
+        ``adapter_base`` (``model`` is a peft model training LoRA adapters on those weights): the server loads the
+        base once, then ``model``'s adapter in place, and every later sync replaces only the adapter."""
+        sync = cls(VLLMEngine(url, tokenizer.eos_token_id), probe_sequence(tokenizer), tolerance, adapter_base)
+        if adapter_base is not None:
+            sync.engine.load_weights(adapter_base)
+            sync.push(model, step)
+        else:
+            sync.push(model, step, folder=folder)
         return sync
 
     def verify(self, model: torch.nn.Module) -> float:
@@ -287,13 +329,19 @@ class WeightSync:
         (default ``model.save_pretrained``) into the server; verify; return the new version."""
         started = time.perf_counter()
         written = None
-        if folder is None:
+        if self.adapter_base is not None:  # LoRA: the adapter alone (a few MB), loaded in place under a new name
+            written = self.workdir / f"adapter-{step:06d}-{self.syncs}"
+            model.save_pretrained(written)  # a peft model writes its adapter only
+            digest = content_hash({p.name: sha256_file(p) for p in written.glob("*.safetensors")})
+            self.engine.load_adapter(f"policy-{step}-{self.syncs}", written)
+        elif folder is None:
             written = folder = self.workdir / f"step-{step:06d}"
             if folder.exists():
                 shutil.rmtree(folder)
             (save or (lambda d: model.save_pretrained(d)))(folder)
-        digest = weights_hash(folder)
-        self.engine.load_weights(folder)
+        if self.adapter_base is None:
+            digest = weights_hash(folder)
+            self.engine.load_weights(folder)
         diff = self.verify(model)
         self.version = WeightVersion(step, digest, round(time.perf_counter() - started, 4), diff)
         self.syncs += 1
