@@ -55,6 +55,9 @@ BENCHES = [
           ">= TRL's GRPOTrainer at the same loss", r".*\[fp32\].*", needs="trl"),
     Bench("vllm engine vs hf engine", ["benchmarks/vllm_engine.py", "--prompts", "32", "--syncs", "3"],
           "vllm >= 1.5x hf tokens/s; weight sync <= 1 s", r"^\{.*"),
+    Bench("RFT and DPO from the bandit's 50/50 warm start (with and without LoRA)", ["benchmarks/methods.py"],
+          "each raises held-out sampled success over the warm start (paired 95% CI above 0)",
+          r"^(warm start|RFT|DPO).*"),
     Bench("hostile requests (BabyAI, 1,000)", ["benchmarks/fuzz_servers.py", "--envs", "babyai", "--examples",
                                                "1000"], "0 undocumented 5xx; healthy after", r"^\{.*"),
 ]
@@ -90,7 +93,7 @@ def write(rows: list[dict[str, str]], out: Path, note: str = "") -> None:
              f"Written by `make bench` (`python benchmarks/run_all.py`) on {dt.date.today().isoformat()}: "
              f"{platform.machine()}, {cores} cores, Python {platform.python_version()}. Load is the 1-minute load "
              "average before -> after each benchmark (other work on the machine shows there). Sizes are reduced to "
-             "fit ~20 minutes; each command runs alone at full size too.", *([note, ""] if note else [""]),
+             "fit ~20 minutes; each command runs alone at full size too.", *(["", note, ""] if note else [""]),
              "| benchmark | figure | target | command | seconds | load |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
               for r in rows]
@@ -114,8 +117,31 @@ def main() -> None:
         print(f"== {bench.name}: python {' '.join(bench.args)}", flush=True)
         rows.append(run(bench))
         print(f"   {rows[-1]['figure']} ({rows[-1]['seconds']} s)", flush=True)
-    write(rows, args.out, args.note)
+    note = args.note
+    if args.only and args.out.exists():  # the benchmarks not rerun keep their rows (and the note of their run)
+        kept, old_note = existing(args.out)
+        fresh = {r["name"] for r in rows}
+        order = [b.name for b in BENCHES]
+        rows = sorted([*rows, *(r for r in kept if r["name"] not in fresh)],
+                      key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        note = note or old_note
+    write(rows, args.out, note)
     print(f"wrote {args.out}")
+
+
+def existing(out: Path) -> tuple[list[dict[str, str]], str]:
+    """The rows of a benchmarks page :func:`write` wrote, and the note above its table."""
+    keys = ["name", "figure", "target", "command", "seconds", "load"]
+    text = out.read_text().split("\n| benchmark |")[0]
+    note = "\n".join(text.splitlines()[3:]).strip()
+    rows = []
+    for line in out.read_text().splitlines():
+        cells = line.strip().removeprefix("| ").removesuffix(" |").split(" | ")
+        if len(cells) == len(keys) and line.startswith("| ") and cells[0] not in ("benchmark", "---"):
+            row = dict(zip(keys, cells, strict=True))
+            row["command"] = row["command"].strip("`")
+            rows.append(row)
+    return rows, note
 
 
 if __name__ == "__main__":
