@@ -515,6 +515,7 @@ def dpo(
     from pathlib import Path
 
     from envs.launcher import running_replicas
+    from training.checkpoint import folder_hash
     from training.config import base_model_dir, load_params, server_config
     from training.dpo import DPOConfig, preference_pairs
     from training.dpo import dpo as run_dpo
@@ -535,7 +536,7 @@ def dpo(
             pairs = preference_pairs(sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0),
                                      config.max_pairs_per_item, config.seed)
     try:
-        path = run_dpo(policy, Path(out), pairs, config, progress=True)
+        path = run_dpo(policy, Path(out), pairs, config, progress=True, sampled_from=folder_hash(policy))
     except ValueError as err:
         _fail(str(err))
     from training.checkpoint import read_manifest

@@ -42,14 +42,14 @@ def checkpoints(env: str, profile: str | None = None, root: Path | None = None, 
     """``{"base": models/<preset>, "warm-0-sft": .../final, "phase-0": .../final, ...}``: every checkpoint of the
     run, in order: the base model, each warm-start stage's (training.warm), each phase's (of the fixed-h baseline
     run when ``baseline`` is its h)."""
-    from training.warm import checkpoint_of
+    from training.warm import checkpoint_of, pipeline_stages
 
     root = root or project_root()
     params = load_params(root / "params.yaml")
     curriculum = curriculum_config(env, profile, params)
     phases = curriculum.phases()
     out = {"base": base_model_dir(params, root)}
-    for k, stage in enumerate(curriculum.warm_start):
+    for k, stage in enumerate(pipeline_stages(curriculum.warm_start)):
         out[f"warm-{k}-{stage.method}"] = checkpoint_of(Run(env, root=root).warm(k), stage)
     if baseline is not None:
         out[f"fixed-h{baseline}"] = Run(env, baseline, root).final(0)

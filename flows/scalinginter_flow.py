@@ -50,6 +50,7 @@ from training.config import (
     train_config,
 )
 from training.layout import Run
+from training.warm import pipeline_stages
 
 
 def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path) -> str:
@@ -136,7 +137,7 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             policy_url, policy_pid = provision_policy_server(base, server, length,
                                                              train.lora.r if train.lora is not None else None)
         rows, warm = [], []
-        for k, stage in enumerate(curriculum.warm_start):  # sft / rft / dpo before the first RL phase
+        for k, stage in enumerate(pipeline_stages(curriculum.warm_start)):  # sft / rft rounds / dpo before the RL
             print(f"warm start {k}: {stage.method}")
             warm.append(run_warm_stage(env, k, url))
             print(f"{warm[-1]['stage']}: {'trained' if warm[-1]['ran'] else 'up to date'}")

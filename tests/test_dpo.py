@@ -3,6 +3,7 @@ policy prefers the chosen over the rejected on held-out pairs it never saw, and 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +74,6 @@ def test_the_cli_samples_pairs_and_trains(bandit_warm_start, tmp_path) -> None:
     manifest = read_manifest(tmp_path / "dpo")
     assert "DPO on" in done.stdout and manifest["kind"] == "dpo" and manifest["config"]["lora"]["r"] == 4
     assert (tmp_path / "dpo" / "lora" / "adapter_model.safetensors").exists()  # LoRA through the CLI
+    first = json.loads((tmp_path / "dpo.pairs.jsonl").read_text().splitlines()[0])
+    assert first["policy"] == folder_hash(bandit_warm_start)  # which policy sampled the pairs
+    assert first["chosen"]["input_ids"] and first["chosen"]["tokenizer"]  # the store's token ids

@@ -18,10 +18,10 @@ from training.checkpoint import read_manifest
 from training.config import ConfigError, curriculum_config, load_params
 from training.warm import RFTStage, checkpoint_of, parse_stage
 
-#: SFT on 8 items the expert solves in two turns, then a round of rejection sampling and DPO on the same items
+#: SFT on 8 items the expert solves in two turns, then two rounds of rejection sampling and DPO on the same items
 #: (the tiny policy replays what it learnt well enough that some of its samples succeed and some fail)
 WARM = [{"method": "sft", "items": 8, "max_turns": 2, "epochs": 16, "batch_size": 2, "lr": 3.0e-3},
-        {"method": "rft", "items": 8, "max_turns": 2, "rounds": 1, "k": 4, "h": 2, "epochs": 2, "max_new_tokens": 24},
+        {"method": "rft", "items": 8, "max_turns": 2, "rounds": 2, "k": 4, "h": 2, "epochs": 2, "max_new_tokens": 24},
         {"method": "dpo", "items": 8, "max_turns": 2, "k": 4, "h": 2, "epochs": 2, "max_new_tokens": 24}]
 
 
@@ -36,18 +36,22 @@ def _params(warm: list[dict], env: str = "babyai") -> dict:
 def test_warm_start_stages_chain_before_the_first_phase_and_the_baselines() -> None:
     phases_text, dvc_text = render(_params(WARM))
     rows = yaml.safe_load(phases_text)["babyai"]
-    assert list(rows)[:4] == ["warm_0", "warm_1", "warm_2", "phase_0"]
-    assert rows["warm_1"]["method"] == "rft" and rows["warm_1"]["k"] == 4  # every setting is a param of its stage
+    assert list(rows)[:5] == ["warm_0", "warm_1", "warm_2", "warm_3", "phase_0"]
+    # every setting is a param of its stage; an RFT run of two rounds is two stages, each one round
+    assert [(rows[f"warm_{k}"]["method"], rows[f"warm_{k}"].get("round")) for k in range(4)] == \
+        [("sft", None), ("rft", 0), ("rft", 1), ("dpo", None)]
+    assert rows["warm_1"]["rounds"] == rows["warm_2"]["rounds"] == 1 and rows["warm_1"]["k"] == 4
     stages = yaml.safe_load(dvc_text)["stages"]
     assert f"--index 0 --init {BASE} --out runs/babyai/warm-0" in stages["babyai_warm_0"]["cmd"]
     assert "--init runs/babyai/warm-0/final" in stages["babyai_warm_1"]["cmd"]
     assert "runs/babyai/warm-0" in stages["babyai_warm_1"]["deps"]
-    assert "--init runs/babyai/warm-1/round-0" in stages["babyai_warm_2"]["cmd"]  # an RFT run ends with its last round
-    assert stages["babyai_warm_2"]["params"] == [{"phases.yaml": ["babyai.warm_2"]}]
+    assert "--init runs/babyai/warm-1/round-0" in stages["babyai_warm_2"]["cmd"]  # the round before
+    assert "--init runs/babyai/warm-2/round-1" in stages["babyai_warm_3"]["cmd"]
+    assert stages["babyai_warm_3"]["params"] == [{"phases.yaml": ["babyai.warm_3"]}]
     for stage in ("babyai_phase_0", "babyai_fixed_h6"):  # the curriculum and its baselines start from the same place
-        assert "--init runs/babyai/warm-2/final" in stages[stage]["cmd"], stages[stage]["cmd"]
-        assert "runs/babyai/warm-2" in stages[stage]["deps"] and BASE not in stages[stage]["deps"]
-    assert "runs/babyai/warm-2" in stages["babyai_eval"]["deps"]
+        assert "--init runs/babyai/warm-3/final" in stages[stage]["cmd"], stages[stage]["cmd"]
+        assert "runs/babyai/warm-3" in stages[stage]["deps"] and BASE not in stages[stage]["deps"]
+    assert "runs/babyai/warm-3" in stages["babyai_eval"]["deps"]
     # without a warm start the pipeline is what it was: phase 0 from the base model
     plain = yaml.safe_load(render(_params([]))[1])["stages"]
     assert not any("warm" in name for name in plain) and f"--init {BASE} " in plain["babyai_phase_0"]["cmd"]
@@ -82,31 +86,34 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
                            "none"], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert "babyai_warm_2: trained" in out and "done: 3 warm-start stages, 1 phases" in out, out[-3000:]
+    assert "babyai_warm_3: trained" in out and "done: 4 warm-start stages, 1 phases" in out, out[-3000:]
 
     records, problems, _ = lineage("babyai", work)
     assert problems == []
     assert [(r.stage, r.algorithm) for r in records] == [("babyai_warm_0", "sft"), ("babyai_warm_1", "rft"),
-                                                          ("babyai_warm_2", "dpo"), ("babyai_phase_0", "grpo")]
+                                                          ("babyai_warm_2", "rft"), ("babyai_warm_3", "dpo"),
+                                                          ("babyai_phase_0", "grpo")]
     assert all(after.parent == before.own for before, after in itertools.pairwise(records))
-    assert "round 0: kept" in records[1].trained and "pairs" in records[2].trained
+    assert "round 0: kept" in records[1].trained and "round 1: kept" in records[2].trained
+    assert "pairs" in records[3].trained
     # what each stage trained on is in the store beside its checkpoint
     expert = [json.loads(line) for line in (work / "runs/babyai/warm-0/episodes.jsonl").open()]
     assert len(expert) == 8 and all(e["source"] == "expert" for e in expert)
     assert all(e["input_ids"] and e["assistant_spans"] and e["tokenizer"] for e in expert)  # the store's token ids
-    rft_round = read_manifest(work / "runs/babyai/warm-1/round-0")
+    rft_round = read_manifest(work / "runs/babyai/warm-2/round-1")
     assert rft_round["recorded_token_ids"] == rft_round["kept"] > 0  # RFT trained on the very tokens it sampled
     assert (work / "runs/babyai/warm-1/round-0.jsonl").exists()
-    assert (work / "runs/babyai/warm-2/final.pairs.jsonl").exists()
+    assert (work / "runs/babyai/warm-2/round-1.jsonl").exists()
+    assert (work / "runs/babyai/warm-3/final.pairs.jsonl").exists()
     evaluated = json.loads((work / "runs/babyai/eval/metrics.json").read_text())["checkpoints"]
-    assert list(evaluated) == ["base", "warm-0-sft", "warm-1-rft", "warm-2-dpo", "phase-0"]
+    assert list(evaluated) == ["base", "warm-0-sft", "warm-1-rft", "warm-2-rft", "warm-3-dpo", "phase-0"]
 
     # a changed DPO setting: DPO and the phase after it are stale, SFT and RFT are not
     set_params({"curriculum.babyai.profiles.smoke.warm_start": [*WARM[:2], {**WARM[2], "beta": 0.2}]}, work)
     _sh(work, "scalinginter", "pipeline")
     status = _sh(work, "dvc", "status", "babyai_phase_0", "--with-deps")
-    assert "babyai_warm_2" in status and "babyai_warm_0" not in status and "babyai_warm_1" not in status
-    broken = records[2].own
-    assert _ran(_sh(work, "dvc", "repro", "babyai_phase_0")) == ["babyai_warm_2", "babyai_phase_0"]
+    assert "babyai_warm_3" in status and not any(f"babyai_warm_{k}" in status for k in range(3))
+    broken = records[3].own
+    assert _ran(_sh(work, "dvc", "repro", "babyai_phase_0")) == ["babyai_warm_3", "babyai_phase_0"]
     records, problems, _ = lineage("babyai", work)
-    assert problems == [] and records[2].own != broken and records[3].parent == records[2].own
+    assert problems == [] and records[3].own != broken and records[4].parent == records[3].own

@@ -346,9 +346,10 @@ def base_model_dir(params: dict[str, Any], root: Path = Path(".")) -> Path:
 def start_checkpoint(env: str, params: dict[str, Any], root: Path = Path("."), profile: str | None = None) -> Path:
     """What the first RL phase (and a fixed-h baseline) starts from: the last warm-start stage's checkpoint
     (``curriculum.<env>.profiles.<profile>.warm_start``), else the base model."""
-    from training.warm import checkpoint_of
+    from training.warm import checkpoint_of, pipeline_stages
 
-    stages = curriculum_config(env, profile, params).warm_start if env in params.get("curriculum", {}) else []
+    stages = pipeline_stages(curriculum_config(env, profile, params).warm_start) \
+        if env in params.get("curriculum", {}) else []
     if not stages:
         return base_model_dir(params, root)
     return checkpoint_of(Run(env, root=root).warm(len(stages) - 1), stages[-1])

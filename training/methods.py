@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from envs.files import atomic_write
 from envs.launcher import running_replicas
+from training.checkpoint import folder_hash
 from training.config import ServerConfig, SFTConfig
 from training.dpo import DPOConfig, dpo, preference_pairs
 from training.lora import lora_of_rank
@@ -53,13 +54,14 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
             config = RFTConfig(rounds=stage.rounds, k=stage.k, h=stage.h, temperature=stage.temperature,
                                max_new_tokens=stage.max_new_tokens, keep=stage.keep, batch_items=stage.batch_items,
                                seed=stage.seed, sft=sft_config)
-            return rft(init, out, env, url, ids, config, progress=progress, record=record)[-1]
+            return rft(init, out, env, url, ids, config, progress=progress, record=record,
+                       first_round=stage.round)[-1]
         sampling = RFTConfig(k=stage.k, h=stage.h, temperature=stage.temperature, max_new_tokens=stage.max_new_tokens,
                              batch_items=stage.batch_items, seed=stage.seed)
         config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
                            max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora)
         pairs = preference_pairs(sample(init, env, url, ids, sampling, 0), config.max_pairs_per_item, config.seed)
-    return dpo(init, out / "final", pairs, config, progress=progress, record=record)
+    return dpo(init, out / "final", pairs, config, progress=progress, record=record, sampled_from=folder_hash(init))
 
 
 def _items(env: str, stage: SFTStage | RFTStage | DPOStage) -> dict[str, list[dict[str, str]]]:

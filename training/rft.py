@@ -77,15 +77,16 @@ def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig
 
 
 def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFTConfig,
-        progress: bool = False, record: dict[str, Any] | None = None) -> list[Path]:
+        progress: bool = False, record: dict[str, Any] | None = None, first_round: int = 0) -> list[Path]:
     """Run (or continue) ``config.rounds`` rounds from ``init`` into ``out/round-<r>``; the rounds' checkpoints.
     ``record`` adds to each round's manifest. A finished round is reused only if it was made with these settings,
-    from ``init``'s chain, on these items."""
+    from ``init``'s chain, on these items. ``first_round``: the index of the first round (a pipeline runs each
+    round as its own stage; the index names its folder and seeds its sampling)."""
     if not items:
         raise ValueError("rejection sampling got no items: give the item ids to sample on")
     out.mkdir(parents=True, exist_ok=True)
     policy, rounds = Path(init), []
-    for r in range(config.rounds):
+    for r in range(first_round, first_round + config.rounds):
         folder = out / f"round-{r}"
         if (folder / MANIFEST).exists():  # done in an earlier run: verified, then the next round starts from it
             done = read_manifest(folder, verify=True)

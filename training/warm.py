@@ -60,7 +60,8 @@ class RFTStage(_Method, _Sampling):
     """Rejection sampling (AgentEvol-style): ``rounds`` of sample k per item -> keep successes -> SFT."""
 
     method: Literal["rft"]
-    rounds: int = Field(2, ge=1)
+    rounds: int = Field(2, ge=1, description="rounds; the pipeline runs each as its own stage (and evaluates it)")
+    round: int = Field(0, ge=0, description="the first round's index (set by the pipeline for each round's stage)")
     keep: Literal["all", "shortest"] = "all"
     lr: float = Field(1e-3, gt=0)
 
@@ -86,11 +87,23 @@ def parse_stage(row: dict[str, Any]) -> SFTStage | RFTStage | DPOStage:
 
 def checkpoint_of(folder: Path, stage: SFTStage | RFTStage | DPOStage) -> Path:
     """The checkpoint stage ``folder`` ends with: an RFT run's last round, else ``final``."""
-    return folder / (f"round-{stage.rounds - 1}" if isinstance(stage, RFTStage) else "final")
+    return stage_checkpoints(folder, stage)[-1]
 
 
 def stage_checkpoints(folder: Path, stage: SFTStage | RFTStage | DPOStage) -> list[Path]:
     """Every checkpoint the stage writes, in order (an RFT run's rounds; one otherwise)."""
     if isinstance(stage, RFTStage):
-        return [folder / f"round-{r}" for r in range(stage.rounds)]
+        return [folder / f"round-{r}" for r in range(stage.round, stage.round + stage.rounds)]
     return [folder / "final"]
+
+
+def pipeline_stages(stages: list[SFTStage | RFTStage | DPOStage]) -> list[SFTStage | RFTStage | DPOStage]:
+    """The warm start as the pipeline's stages: an RFT entry of R rounds becomes R one-round stages (each its own
+    DVC stage, checkpoint and evaluation), the others stay as they are."""
+    out: list[SFTStage | RFTStage | DPOStage] = []
+    for stage in stages:
+        if isinstance(stage, RFTStage) and stage.rounds > 1:
+            out += [stage.model_copy(update={"rounds": 1, "round": stage.round + r}) for r in range(stage.rounds)]
+        else:
+            out.append(stage)
+    return out
