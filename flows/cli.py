@@ -536,7 +536,8 @@ def dpo(
             pairs = preference_pairs(sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0),
                                      config.max_pairs_per_item, config.seed)
     try:
-        path = run_dpo(policy, Path(out), pairs, config, progress=True, sampled_from=folder_hash(policy))
+        path = run_dpo(policy, Path(out), pairs, config, progress=True,
+                       provenance={"policy": folder_hash(policy), "env": env, "h": h})
     except ValueError as err:
         _fail(str(err))
     from training.checkpoint import read_manifest

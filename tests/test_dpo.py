@@ -75,5 +75,5 @@ def test_the_cli_samples_pairs_and_trains(bandit_warm_start, tmp_path) -> None:
     assert "DPO on" in done.stdout and manifest["kind"] == "dpo" and manifest["config"]["lora"]["r"] == 4
     assert (tmp_path / "dpo" / "lora" / "adapter_model.safetensors").exists()  # LoRA through the CLI
     first = json.loads((tmp_path / "dpo.pairs.jsonl").read_text().splitlines()[0])
-    assert first["policy"] == folder_hash(bandit_warm_start)  # which policy sampled the pairs
+    assert (first["policy"], first["env"], first["h"]) == (folder_hash(bandit_warm_start), "bandit", 1)  # provenance
     assert first["chosen"]["input_ids"] and first["chosen"]["tokenizer"]  # the store's token ids

@@ -89,9 +89,11 @@ def margins(model: torch.nn.Module, reference: torch.nn.Module, pairs: list[tupl
 
 
 def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], config: DPOConfig,
-        progress: bool = False, record: dict[str, Any] | None = None, sampled_from: str | None = None) -> Path:
+        progress: bool = False, record: dict[str, Any] | None = None,
+        provenance: dict[str, Any] | None = None) -> Path:
     """Train ``init`` on ``pairs`` with the DPO loss against ``init`` itself; write the checkpoint ``out``.
-    ``sampled_from``: the hash of the policy that sampled the pairs, kept with each pair in the pairs file."""
+    ``provenance`` (where the pairs came from: the sampling policy's hash, the environment, h) is kept with each
+    pair in the pairs file."""
     if not pairs:
         raise ValueError("DPO got no preference pairs: it needs items with both a successful and a failed episode "
                          "(sample more per item, or at a turn cap where some episodes succeed)")
@@ -128,7 +130,7 @@ def dpo(init: Path, out: Path, pairs: list[tuple[Trajectory, Trajectory]], confi
     model.eval()
     after = margins(model, reference, pairs, pad, device)
     atomic_write(out.parent / f"{out.name}.pairs.jsonl", "".join(
-        json.dumps({"item_id": c.item_id, **({"policy": sampled_from} if sampled_from else {}),
+        json.dumps({"item_id": c.item_id, **(provenance or {}),
                     "chosen": c.log_record(), "rejected": r.log_record()}) + "\n"
         for c, r in pairs))
 

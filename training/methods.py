@@ -61,7 +61,8 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
         config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
                            max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora)
         pairs = preference_pairs(sample(init, env, url, ids, sampling, 0), config.max_pairs_per_item, config.seed)
-    return dpo(init, out / "final", pairs, config, progress=progress, record=record, sampled_from=folder_hash(init))
+    return dpo(init, out / "final", pairs, config, progress=progress, record=record,
+               provenance={"policy": folder_hash(init), "env": env, "h": stage.h})
 
 
 def _items(env: str, stage: SFTStage | RFTStage | DPOStage) -> dict[str, list[dict[str, str]]]:

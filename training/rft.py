@@ -115,7 +115,8 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
                              f"{config.h}, k={config.k}): sample more (k, items), raise h, or warm-start with SFT")
         parent = folder_hash(policy)
         atomic_write(out / f"round-{r}.jsonl", "".join(
-            json.dumps({"env": env, "round": r, "policy": parent, **t.log_record()}) + "\n" for t in kept))
+            json.dumps({"env": env, "round": r, "h": config.h, "policy": parent, **t.log_record()}) + "\n"
+            for t in kept))
         log.info("round %d: kept %d of %d episodes (sampling success %.1f%%)", r, len(kept), len(sampled), 100 * rate)
         fields: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h,
                                   "rft": config.model_dump(mode="json"), "items": items, "sampled": len(sampled),
