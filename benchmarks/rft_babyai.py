@@ -51,7 +51,8 @@ def main() -> None:
     train = items["grpo"][: args.items]
     config = RFTConfig(rounds=args.rounds, k=args.k, h=10, max_new_tokens=24, batch_items=16,
                        sft=SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=8))
-    out_dir = ROOT / "runs" / "rft-babyai"  # beside the study workspace, never inside it (its git and DVC state)
+    # beside the study workspace, never inside it (its git and DVC state); one folder per setting
+    out_dir = ROOT / "runs" / f"rft-babyai-{args.rounds}r-{args.items}x{args.k}-lr{args.lr:g}-e{args.epochs}"
     started = time.perf_counter()
     with running_server("babyai") as url:
         rounds = rft(STUDY / "warm", out_dir, "babyai", url, train, config, progress=True)
