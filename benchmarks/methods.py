@@ -7,7 +7,8 @@ more RFT rounds (sample k per item on the first training items, keep the success
 same samples paired success against failure), with and without LoRA. Each result is evaluated on the held-out
 test items (16 x 8 samples at T 1.0, the learning test's evaluation) with its 95% bootstrap interval, and the
 paired change against the warm start over items. Every bandit item shows the same prompt, so greedy decoding
-would answer all of them alike (0% or 100%); the sampled success is the policy's preference for the right door.
+answers all of them alike (0% or 100%, also printed); the sampled success is the policy's preference for the
+right door.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ def main() -> None:
     with running_server("bandit") as url:
         test = [r["item_id"] for r in load_split("bandit", "test")]
         before = evaluate(warm, "bandit", url, test, **EVAL)
+        greedy = {"h": 1, "k": 1, "temperature": 0.0, "max_new_tokens": 16}
+        before_greedy = evaluate(warm, "bandit", url, test, **greedy).success_rate
         low, high = before.success_ci()
         print(f"held-out: {len(test)} items x {EVAL['k']} samples at T {EVAL['temperature']}; training: "
               f"{len(train)} items x k={args.k}")
-        print(f"warm start            success {before.success_rate:6.1%} (95% CI {low:.1%}-{high:.1%})")
+        print(f"warm start            success {before.success_rate:6.1%} (95% CI {low:.1%}-{high:.1%}); greedy "
+              f"{before_greedy:.0%}")
         runs = {
             "RFT": lambda out: rft(warm, out, "bandit", url, train, sampling)[-1],
             "RFT + LoRA r=8": lambda out: rft(warm, out, "bandit", url, train, sampling.model_copy(
@@ -72,8 +76,9 @@ def main() -> None:
             after = evaluate(folder, "bandit", url, test, **EVAL)
             low, high = after.success_ci()
             change, c_low, c_high = paired_difference_ci(before.item_success(), after.item_success())
+            after_greedy = evaluate(folder, "bandit", url, test, **greedy).success_rate
             print(f"{name:<21} success {after.success_rate:6.1%} (95% CI {low:.1%}-{high:.1%}); paired change "
-                  f"{change:+.1%} ({c_low:+.1%} to {c_high:+.1%}); {seconds:.0f} s")
+                  f"{change:+.1%} ({c_low:+.1%} to {c_high:+.1%}); greedy {after_greedy:.0%}; {seconds:.0f} s")
 
 
 if __name__ == "__main__":
