@@ -112,6 +112,14 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
     manifest = read_manifest(tmp_path / "sft")
     assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
     assert manifest["recorded_token_ids"] == len(records)  # trained on the very tokens sampled, not re-encoded
+    # a warm-start stage of the pipeline can train on the same records (`recorded:` in params.yaml)
+    from training.methods import run_warm_stage
+    from training.warm import parse_stage
+
+    stage = parse_stage({"method": "sft", "recorded": [str(tmp_path / "rft" / "round-0.jsonl")], "epochs": 1})
+    warm = read_manifest(run_warm_stage("bandit", 0, stage, bandit_warm_start, tmp_path / "warm"))
+    assert (warm["source"], warm["episodes"], warm["recorded_token_ids"]) == ("recorded", len(records), len(records))
+    assert warm["warm_start"]["recorded"] == stage.recorded and warm["sources"][0]["sha256"] == sources[0]["sha256"]
     bad = subprocess.run([*cmd[:-4], "--from", str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "no recorded episodes at" in bad.stdout + bad.stderr
