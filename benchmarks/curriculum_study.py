@@ -64,6 +64,10 @@ ARMS: dict[str, dict[str, Any]] = {  # run in this order, per seed: the costly f
     "adaptive": {"schedule": [[2, 8], [6, 8], [10, 8]], "adaptive": True},
     "fixed-20": {"schedule": [[20, 24]], "adaptive": False},
 }
+#: the study's environment servers keep idle instances this long: it trains and evaluates at low priority beside
+#: other work, where one batched generation turn can take longer than the default 600 s (the fixed h=20 arm's
+#: evaluation lost 29 instances that way, and refused its biased result)
+IDLE_TTL_S = 7200
 ADAPTIVE_RULE = {"truncated_share": 0.3, "plateau_steps": 4, "plateau_tolerance": 0.02, "min_steps": 3}
 
 STAGES = {
@@ -226,7 +230,7 @@ def stage_pilot(params: dict[str, Any]) -> None:
     folder.mkdir(exist_ok=True)
     key = {"warm": folder_hash(Path("warm")), "items": len(items), "max_new_tokens": params["train"]["max_new_tokens"]}
     out: dict[str, Any] = {"by_cap": {}}
-    with running_server("babyai") as url:
+    with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         for h in pilot["caps"]:
             done = folder / f"h{h}.json"
             if done.exists() and json.loads(done.read_text()).get("key") == key:
@@ -253,7 +257,7 @@ def stage_warm_eval(params: dict[str, Any]) -> None:
 
     data = _items()
     held, expert_turns = data["held_out"], {k: int(v) for k, v in data["held_out_expert_turns"].items()}
-    with running_server("babyai") as url:
+    with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         result = evaluate(Path("warm"), "babyai", url, held, h=params["eval"]["h"],
                           max_new_tokens=params["train"]["max_new_tokens"], batch_items=params["eval"]["batch_items"])
     out: dict[str, Any] = {"held_out": _eval_summary(result, held, expert_turns)}
@@ -280,7 +284,7 @@ def stage_train(params: dict[str, Any]) -> None:
     rule = AdaptiveRule(**ADAPTIVE_RULE) if arm["adaptive"] else None
     scratch, phases_dir = Path("scratch") / _arm_dir(params).name, _arm_dir(params) / "phases"
     init, rows = Path("warm"), []
-    with running_server("babyai") as url:
+    with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         for index, (h, steps) in enumerate(arm["schedule"]):
             last = index == len(arm["schedule"]) - 1
             final = train_phase("babyai", index, h, steps, init, scratch / f"phase-{index}", config=config,
@@ -341,7 +345,7 @@ def stage_eval(params: dict[str, Any]) -> None:
     out: dict[str, Any] = {"curve": []}
     kwargs: dict[str, Any] = {"h": ev["h"], "max_new_tokens": params["train"]["max_new_tokens"],
                               "batch_items": ev["batch_items"]}
-    with running_server("babyai") as url:
+    with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         for index in range(n - 1):  # the last phase's final is the full evaluation below
             final = phases_dir / f"phase-{index}" / "final"
             items = held[: ev.get("curve_items", params["task"]["curve_items"])]
