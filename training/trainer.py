@@ -39,7 +39,6 @@ from training.checkpoint import (
     prepare_staging,
     prune,
     read_manifest,
-    sha256_file,
     staging_folder,
     state_folder,
     write_checkpoint,
@@ -52,7 +51,7 @@ from training.devices import autocast, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
-from training.lora import ADAPTER_FILE, LORA_DIR, load_adapter, save_lora, with_lora
+from training.lora import load_adapter, save_lora, with_lora
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, mixed_rollout, parse_urls, shares
@@ -535,12 +534,13 @@ class PhaseTrainer:
                 "critic/returns_mean": float(masked_mean(returns, mask)),
                 "critic/vf_explained_var": explained_variance(values.detach(), returns, mask)}
 
-    def _save_weights(self, folder: Path) -> None:
-        """The actor's weights as a plain model folder (LoRA adapters merged in, the actor unchanged)."""
+    def _save_weights(self, folder: Path) -> str | None:
+        """The actor's weights as a plain model folder (LoRA adapters merged in, the actor unchanged); with LoRA,
+        the adapter in lora/ and its sha256 returned."""
         if self.config.lora is not None:
-            save_lora(self.model, folder)
-        else:
-            self.strategy.save_model(folder)
+            return save_lora(self.model, folder)
+        self.strategy.save_model(folder)
+        return None
 
     def save(self, name: str) -> Path:
         folder = self.out_dir / name
@@ -573,9 +573,9 @@ class PhaseTrainer:
         }
 
         def write(tmp: Path) -> None:
-            self._save_weights(tmp)  # with LoRA: merged weights (a plain HF folder) and the adapter in lora/
-            if self.config.lora is not None:
-                record["lora"] = {"adapter_sha256": sha256_file(tmp / LORA_DIR / ADAPTER_FILE)}
+            adapter = self._save_weights(tmp)  # with LoRA: merged weights (a plain HF folder) and lora/
+            if adapter is not None:
+                record["lora"] = {"adapter_sha256": adapter}
             self.tokenizer.save_pretrained(tmp)
             if name == "final":
                 (tmp / "README.md").write_text(model_card(record, self.last_stats))
