@@ -2,13 +2,14 @@
 
     python benchmarks/vllm_engine.py [--model models/tiny] [--prompts 64] [--new-tokens 64] [--syncs 5]
 
-Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new
-tokens each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early:
-tokens/s counts the tokens actually generated). The hf engine runs ``generate`` in this process with one
-batch of all prompts and the machine's torch threads; the vllm engine sends them as concurrent requests (one
-per prompt, each with its own seed) to a server started here. ``--repeats`` timed generations per engine,
-interleaved; medians reported. Then ``--syncs`` weight syncs (save, load in place, probe) are timed. Prints a JSON
-line; the figures in the README come from it.
+Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new tokens
+each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early: tokens/s counts
+the tokens actually generated). The hf engine runs ``generate`` in this process with one batch of all prompts and
+the machine's torch threads; the vllm engine sends them as concurrent requests (one per prompt, each with its own
+seed) to a server started here. ``--repeats`` timed generations per engine, interleaved; medians reported. Then
+``--syncs`` weight syncs are timed both ways: ``sync`` saves a checkpoint folder the server loads in place;
+``sync_collective`` broadcasts the tensors over a gloo group with the server's worker (NCCL or HCCL on
+accelerators); each is verified by the probe. Prints a JSON line; the figures in the README come from it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -32,7 +34,7 @@ def main() -> None:
     from training.engine import HFEngine, SamplingParams
     from training.model import load_policy
     from training.rollout import ChatFormat
-    from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence, running_vllm
+    from training.vllm_engine import VLLMEngine, WeightChannel, WeightSync, probe_sequence, running_vllm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))
@@ -77,20 +79,23 @@ def main() -> None:
             vllm_runs.append(timed(engine))
         out["hf"], out["vllm"] = summary(hf_runs), summary(vllm_runs)
         out["speedup"] = round(out["vllm"]["tokens_per_s_median"] / out["hf"]["tokens_per_s_median"], 2)  # type: ignore[index]
-        sync = WeightSync(engine, probe_sequence(tokenizer))
         trained = copy.deepcopy(model)
-        times, diffs = [], []
-        for step in range(1, args.syncs + 1):
-            with torch.no_grad():  # stands in for an optimizer step
-                for param in trained.parameters():
-                    param.add_(torch.randn_like(param) * 1e-3)
-            version = sync.push(trained, step)
-            times.append(version.seconds)
-            diffs.append(version.probe_max_diff)
-        sync.close()
         params_count = sum(p.numel() for p in model.parameters())
-        out["sync"] = {"parameters": params_count, "seconds_median": round(statistics.median(times), 3),
-                       "seconds_max": round(max(times), 3), "probe_max_diff": max(diffs)}
+        for key, channel in (("sync", None), ("sync_collective", "gloo")):  # by checkpoint folder; broadcast
+            sync = WeightSync(engine, probe_sequence(tokenizer),
+                              channel=WeightChannel(engine, channel) if channel else None)
+            times, diffs = [], []
+            for step in range(1, args.syncs + 1):
+                with torch.no_grad():  # stands in for an optimizer step
+                    for param in trained.parameters():
+                        param.add_(torch.randn_like(param) * 1e-3)
+                version = sync.push(trained, step)
+                times.append(version.seconds)
+                diffs.append(version.probe_max_diff)
+            shutil.rmtree(sync.workdir, ignore_errors=True)  # the engine stays open for the next transport
+            out[key] = {"parameters": params_count, "seconds_median": round(statistics.median(times), 3),
+                        "seconds_max": round(max(times), 3), "probe_max_diff": max(diffs)}
+        engine.close()
     print(json.dumps(out))
 
 

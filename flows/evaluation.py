@@ -124,7 +124,7 @@ def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url:
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,
                                       batch_items=batch_items, progress=progress, context_budget=budget,
                                       device=config.device, policy_url=policy_url,
-                                      probe_tolerance=server.probe_tolerance)
+                                      policy_server=server)
     return result
 
 

@@ -24,7 +24,16 @@ from training.config import PolicyServerConfig, train_config
 from training.engine import SamplingParams
 from training.rollout import ChatFormat
 from training.trainer import PhaseTrainer
-from training.vllm_engine import EngineError, VLLMEngine, WeightSync, probe_sequence, running_vllm, weights_hash
+from training.vllm_engine import (
+    EngineError,
+    VLLMEngine,
+    WeightSync,
+    probe_sequence,
+    running_vllm,
+    sendable_state,
+    tensors_hash,
+    weights_hash,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +119,46 @@ def test_weight_sync_makes_the_server_serve_the_trainers_weights(vllm_url, tiny_
         back = sync.push(model, step=0, folder=tiny_model_dir)
         sync.close()
     assert back.hash == weights_hash(tiny_model_dir) and not sync.workdir.exists()
+
+
+def test_a_collective_sync_broadcasts_the_weights_without_writing_them(vllm_url, tiny_policy, tiny_model_dir
+                                                                       ) -> None:
+    """The collective transfer (gloo here; NCCL/HCCL on accelerators, same code): the trainer is rank 0 of a
+    process group with the server's worker and broadcasts the tensors, which the worker loads in place."""
+    model, tokenizer = tiny_policy
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in changed.parameters():  # the tied embeddings too
+            param.add_(torch.randn_like(param) * 0.05)
+    sync = WeightSync.serving(vllm_url, tokenizer, model, tiny_model_dir, transport="collective")
+    try:
+        assert sync.channel is not None and sync.channel.world_size == 2  # the trainer and the one worker
+        assert sync.version.hash == tensors_hash(sendable_state(model)) and sync.version.probe_max_diff <= 1e-3
+        version = sync.push(changed, step=3)
+        assert version.hash == tensors_hash(sendable_state(changed)) != tensors_hash(sendable_state(model))
+        assert version.probe_max_diff <= 1e-3
+        assert "lm_head.weight" not in sendable_state(changed)  # tied: sent once, as the embeddings
+        assert not any(sync.workdir.iterdir())  # nothing went through the disk
+        with pytest.raises(EngineError, match="serves other weights"):
+            sync.verify(model)
+        # a second channel (the next phase, or the next checkpoint of an evaluation) replaces the first
+        again = WeightSync.serving(vllm_url, tokenizer, model, tiny_model_dir, transport="collective")
+        assert again.version.probe_max_diff <= 1e-3
+        again.close()
+    finally:
+        sync.close()
+    restored = WeightSync(VLLMEngine(vllm_url, tokenizer.eos_token_id), probe_sequence(tokenizer))
+    restored.push(model, 0, folder=tiny_model_dir)  # the module's other tests expect the base by file, too
+    restored.close()
+
+
+def test_a_collective_sync_with_an_unreachable_server_fails_at_once_and_clearly(tiny_policy) -> None:
+    from training.vllm_engine import WeightChannel
+
+    _, tokenizer = tiny_policy
+    port = free_port()  # nothing listens: the group is never opened, nothing waits for its timeout
+    with pytest.raises(EngineError, match="unreachable"):
+        WeightChannel(VLLMEngine(f"http://127.0.0.1:{port}", tokenizer.eos_token_id, retries=0), "gloo")
 
 
 def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_server, tiny_model_dir, tiny_policy,

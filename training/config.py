@@ -324,6 +324,12 @@ class PolicyServerConfig(BaseModel):
     cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE)")
     startup_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
+    weight_transfer: Literal["disk", "collective"] = Field(
+        "disk", description="how a weight sync reaches the server: `disk` saves a checkpoint folder it loads in "
+        "place (a file system both see); `collective` broadcasts the tensors over a process group of the trainer "
+        "and the server's workers (gloo on CPU, NCCL on CUDA, HCCL on Ascend), nothing written")
+    weight_transfer_host: str = Field("127.0.0.1", description="collective transfer: the trainer's address as the "
+                                      "server's workers reach it")
 
     def max_len(self, context_budget: int, max_new_tokens: int) -> int:
         return self.max_model_len or context_budget + max_new_tokens

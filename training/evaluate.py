@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from training.checkpoint import MANIFEST, read_manifest
-from training.devices import resolve_device
+from training.config import PolicyServerConfig
+from training.devices import distributed_backend, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
@@ -81,13 +82,15 @@ class EvalResult:
 def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
              temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4,
              context_budget: int = 8192, device: str = "cpu", policy_url: str | None = None,
-             probe_tolerance: float = 1e-3) -> EvalResult:
+             policy_server: PolicyServerConfig | None = None) -> EvalResult:
     """Roll out ``k`` samples per item at turn cap ``h`` (and at most ``context_budget`` tokens, as in training)
     with the model on ``device``, and collect success and reward. With ``policy_url`` (the vllm engine), the vLLM
-    server there is loaded with ``model_dir`` and verified against it by the probe, then samples."""
+    server there is loaded with ``model_dir`` (as ``policy_server.weight_transfer`` says) and verified against it
+    by the probe, then samples."""
     if (Path(model_dir) / MANIFEST).exists():  # a checkpoint: verified (once per process) before it is loaded
         read_manifest(Path(model_dir), verify=True)
-    model, tokenizer = load_policy(model_dir, resolve_device(device))
+    torch_device = resolve_device(device)
+    model, tokenizer = load_policy(model_dir, torch_device)
     model.eval()
     sync = None
     engine: PolicyEngine
@@ -96,7 +99,10 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
     else:
         from training.vllm_engine import WeightSync
 
-        sync = WeightSync.serving(policy_url, tokenizer, model, Path(model_dir), tolerance=probe_tolerance)
+        server = policy_server or PolicyServerConfig()
+        sync = WeightSync.serving(policy_url, tokenizer, model, Path(model_dir), tolerance=server.probe_tolerance,
+                                  transport=server.weight_transfer, backend=distributed_backend(torch_device),
+                                  host=server.weight_transfer_host)
         engine = sync.engine
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
@@ -175,8 +181,8 @@ def summarise(result: EvalResult, sub_tasks: dict[str, str]) -> dict[str, Any]:
 def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items: list[dict[str, Any]], h: int,
                          k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
                          progress: Callable[[str], None] | None = None, context_budget: int = 8192,
-                         device: str = "cpu", policy_url: str | None = None, probe_tolerance: float = 1e-3
-                         ) -> dict[str, Any]:
+                         device: str = "cpu", policy_url: str | None = None,
+                         policy_server: PolicyServerConfig | None = None) -> dict[str, Any]:
     """Evaluate each named checkpoint on the same items with the same seed: the metrics a report shows.
 
     ``items`` are split records (``item_id`` and ``sub_task``). Every checkpoint sees the same items,
@@ -192,7 +198,7 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
             progress(name)
         result = evaluate(folder, env, url, ids, h=h, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           seed=seed, batch_items=batch_items, context_budget=context_budget, device=device,
-                          policy_url=policy_url, probe_tolerance=probe_tolerance)
+                          policy_url=policy_url, policy_server=policy_server)
         out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
     return out
 

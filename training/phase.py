@@ -38,4 +38,4 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
             policy_url = stack.enter_context(running_vllm(spec.init, spec.policy_server, length, lora))
         return train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train, url=base,
                            progress=progress, adaptive=spec.adaptive, policy_url=policy_url,
-                           probe_tolerance=spec.policy_server.probe_tolerance)
+                           policy_server=spec.policy_server)

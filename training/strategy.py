@@ -41,7 +41,12 @@ class Strategy(Protocol):
         False when the folder has none (a base model)."""
         ...
 
-    def save_model(self, folder: Path) -> None: ...
+    def gather_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full weights where no rank holds them whole (ZeRO-3): call on every rank, rank 0 gets them; None
+        where the model holds them (the other strategies)."""
+        ...
+
+    def save_model(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None: ...
 
     def barrier(self) -> None: ...
 
@@ -57,8 +62,11 @@ class TorchStrategy:
     def forward(self, **inputs: torch.Tensor) -> Any:
         return self.model(**inputs)
 
-    def save_model(self, folder: Path) -> None:
-        self.model.save_pretrained(folder)
+    def gather_weights(self) -> dict[str, torch.Tensor] | None:
+        return None  # the model holds its weights whole
+
+    def save_model(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.model.save_pretrained(folder, state_dict=weights)
 
     def barrier(self) -> None:
         """One process: nothing to wait for."""
@@ -109,12 +117,21 @@ class DeepSpeedStrategy:
     def forward(self, **inputs: torch.Tensor) -> Any:
         return self.engine(**inputs)
 
-    def save_model(self, folder: Path) -> None:
-        """The full HF model (ZeRO-3 gathers its partitioned weights first); call on rank 0."""
-        if self.engine.zero_optimization_stage() == 3:
-            self.model.save_pretrained(folder, state_dict=self.engine._zero3_consolidated_16bit_state_dict())
-        else:
-            self.model.save_pretrained(folder)
+    def gather_weights(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: the weights gathered from every rank's partition, a collective (every rank must call it, or
+        they hang); rank 0 gets the state dict, the others None. ZeRO-1/2: None (every rank holds them whole)."""
+        if self.engine.zero_optimization_stage() != 3:
+            return None
+        weights = self.engine._zero3_consolidated_16bit_state_dict()
+        return weights if self.rank == 0 else None
+
+    def save_model(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """The full HF model; under ZeRO-3 ``weights`` must be :meth:`gather_weights`' (gathered by every rank;
+        this writes on rank 0)."""
+        if self.engine.zero_optimization_stage() == 3 and weights is None:
+            raise RuntimeError("ZeRO-3 partitions the weights: gather them on every rank (gather_weights) and pass "
+                               "them to save_model on rank 0")
+        self.model.save_pretrained(folder, state_dict=weights)
 
     def barrier(self) -> None:
         import torch.distributed as dist

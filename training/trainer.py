@@ -43,11 +43,11 @@ from training.checkpoint import (
     state_folder,
     write_checkpoint,
 )
-from training.config import TrainConfig, mixed_envs
+from training.config import PolicyServerConfig, TrainConfig, mixed_envs
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
-from training.devices import autocast, resolve_device
+from training.devices import autocast, distributed_backend, resolve_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
@@ -86,7 +86,7 @@ class PhaseTrainer:
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
                  config: TrainConfig, url: str | Mapping[str, str], adaptive: AdaptiveRule | None = None,
-                 policy_url: str | None = None, probe_tolerance: float = 1e-3) -> None:
+                 policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.mixed)
         self.adaptive = adaptive
@@ -172,13 +172,19 @@ class PhaseTrainer:
 
             if policy_url is None:
                 raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
+            server = policy_server or PolicyServerConfig()
+            # a collective transfer sends the weights themselves: every rank takes part in gathering them (ZeRO-3)
+            weights = self.strategy.gather_weights() if server.weight_transfer == "collective" else None
             if self.strategy.rank == 0:  # every rank samples from the one server; rank 0 keeps it in sync
                 # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very
                 # checkpoint this run starts from, the resumed one included, verified before the first rollout
                 # with LoRA the server keeps the phase's starting weights and takes each new adapter in place
                 self.sync = WeightSync.serving(policy_url, self.tokenizer, self.model, source, self.global_step,
-                                               probe_tolerance,
-                                               adapter_base=init_checkpoint if config.lora is not None else None)
+                                               server.probe_tolerance,
+                                               adapter_base=init_checkpoint if config.lora is not None else None,
+                                               transport=server.weight_transfer,
+                                               backend=distributed_backend(self.device),
+                                               host=server.weight_transfer_host, state=weights)
                 engine = self.sync.engine
             else:
                 engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
@@ -434,8 +440,10 @@ class PhaseTrainer:
         if self.prefetched is not None:  # never change the server's weights under a rollout in flight
             self.prefetched[1].exception()
         if self.stale:
+            weights = self.strategy.gather_weights()  # every rank takes part (ZeRO-3); None: the model holds them
             if self.sync is not None:
-                self.sync.push(self.model, self.global_step, save=self._save_weights)
+                self.sync.push(self.model, self.global_step, save=lambda folder: self._save_weights(folder, weights),
+                               state=weights)
             self.strategy.barrier()  # no rank samples before the server has the new weights
             self.stale = False
         if self.sync is None:
@@ -534,12 +542,12 @@ class PhaseTrainer:
                 "critic/returns_mean": float(masked_mean(returns, mask)),
                 "critic/vf_explained_var": explained_variance(values.detach(), returns, mask)}
 
-    def _save_weights(self, folder: Path) -> str | None:
-        """The actor's weights as a plain model folder (LoRA adapters merged in, the actor unchanged); with LoRA,
-        the adapter in lora/ and its sha256 returned."""
+    def _save_weights(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> str | None:
+        """The actor's weights (``weights``, when gathered from ZeRO-3 partitions) as a plain model folder (LoRA
+        adapters merged in, the actor unchanged); with LoRA, the adapter in lora/ and its sha256 returned."""
         if self.config.lora is not None:
             return save_lora(self.model, folder)
-        self.strategy.save_model(folder)
+        self.strategy.save_model(folder, weights)
         return None
 
     def save(self, name: str) -> Path:
@@ -572,8 +580,10 @@ class PhaseTrainer:
                       "lr_scale": lr_scale(self.events, self.global_step, self.config.guard.lr_factor)},
         }
 
+        weights = self.strategy.gather_weights()  # every rank takes part (ZeRO-3); rank 0 writes them
+
         def write(tmp: Path) -> None:
-            adapter = self._save_weights(tmp)  # with LoRA: merged weights (a plain HF folder) and lora/
+            adapter = self._save_weights(tmp, weights)  # with LoRA: merged weights (a plain HF folder) and lora/
             if adapter is not None:
                 record["lora"] = {"adapter_sha256": adapter}
             self.tokenizer.save_pretrained(tmp)
@@ -666,7 +676,7 @@ def _load_state(path: Path, classes: list[type] | None = None) -> dict[str, Any]
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
                 config: TrainConfig, url: str | Mapping[str, str], progress: bool = False,
                 adaptive: AdaptiveRule | None = None,
-                policy_url: str | None = None, probe_tolerance: float = 1e-3) -> Path:
+                policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> Path:
     """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
 
     A phase whose final checkpoint exists (and verifies) is not trained again. With ``adaptive`` (the
@@ -688,7 +698,7 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
             check_capacity(urls[e], counts[e] * config.n_samples)
     while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
         trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
-                               probe_tolerance)
+                               policy_server)
         try:
             return trainer.run(progress)
         except GuardTrip as trip:
