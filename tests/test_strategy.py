@@ -15,11 +15,11 @@ from training.devices import DeviceError, distributed_backend, resolve_device
 EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
 
 
-def _losses(cmd: list[str]) -> list[float]:
+def _check(cmd: list[str]) -> dict:
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -27,11 +27,13 @@ def _losses(cmd: list[str]) -> list[float]:
 def test_deepspeed_two_processes_match_the_torch_strategy(tiny_model_dir, zero: int) -> None:
     pytest.importorskip("deepspeed")
     check = ["-m", "training.strategy_check", "--model", str(tiny_model_dir), "--steps", "3"]
-    reference = _losses([sys.executable, *check, "--strategy", "torch"])
-    distributed = _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29500 + zero), *check, "--strategy", "deepspeed", "--zero", str(zero)])
-    assert distributed == pytest.approx(reference, rel=1e-5, abs=1e-6)
-    assert reference[0] != reference[-1]  # the weights really moved between steps
+    reference = _check([sys.executable, *check, "--strategy", "torch"])
+    distributed = _check([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(29500 + zero), *check, "--strategy", "deepspeed", "--zero", str(zero)])
+    assert distributed["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert reference["losses"][0] != reference["losses"][-1]  # the weights really moved between steps
+    # the weights a checkpoint gets: gathered from both ranks' partitions under ZeRO-3, written whole by rank 0
+    assert distributed["weights_norm"] == pytest.approx(reference["weights_norm"], rel=1e-6)
 
 
 def test_device_selection_is_explicit_about_what_is_missing() -> None:

@@ -5,7 +5,9 @@
 
 A fixed synthetic batch (seeded; every sequence the same length and mask, so every rank holds the same
 number of agent tokens) is split evenly across ranks; each step prints the batch's loss (averaged over
-ranks) as a JSON line. With data parallelism the update equals the one-process update on the whole batch.
+ranks) as a JSON line. With data parallelism the update equals the one-process update on the whole batch. After
+the last step the weights are gathered (every rank takes part: ZeRO-3 partitions them), written by rank 0 as a model
+folder and read back; the line carries their norm, which must equal the torch strategy's.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from training.losses import actor_loss, token_logprobs
 from training.model import load_policy
@@ -30,7 +35,11 @@ def synthetic_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 0) 
     return {"input_ids": ids, "mask": mask, "advantages": advantages}
 
 
-def run(model_dir: str, strategy_name: str, zero: int, steps: int, lr: float) -> list[float]:
+def weights_norm(state: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in state.values())))
+
+
+def run(model_dir: str, strategy_name: str, zero: int, steps: int, lr: float) -> tuple[list[float], float | None]:
     torch.manual_seed(0)
     model, _ = load_policy(model_dir)
     model.train()
@@ -53,7 +62,15 @@ def run(model_dir: str, strategy_name: str, zero: int, steps: int, lr: float) ->
             torch.distributed.all_reduce(value)
             value /= strategy.world_size
         losses.append(float(value))
-    return losses
+    weights = strategy.gather_weights()  # a collective under ZeRO-3: every rank calls it
+    norm = None
+    if strategy.rank == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            strategy.save_model(Path(folder), weights)
+            norm = weights_norm(load_file(Path(folder) / "model.safetensors"))
+    if strategy.world_size > 1:
+        strategy.barrier()
+    return losses, norm
 
 
 def main() -> None:
@@ -65,9 +82,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    losses = run(args.model, args.strategy, args.zero, args.steps, args.lr)
+    losses, norm = run(args.model, args.strategy, args.zero, args.steps, args.lr)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"strategy": args.strategy, "zero": args.zero, "losses": losses}))
+        print(json.dumps({"strategy": args.strategy, "zero": args.zero, "losses": losses, "weights_norm": norm}))
 
 
 if __name__ == "__main__":
