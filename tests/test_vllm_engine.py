@@ -288,7 +288,8 @@ def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_s
                                                                   tmp_path) -> None:
     """max_staleness 1: step t+1's rollout is sampled from the weights before step t's update (the rollout logs
     say which weights served each step), the ratio against the sampler's log-probs; max_staleness 0 is the
-    on-policy run, bitwise the same as a run that never heard of the setting."""
+    on-policy run, bitwise the same as a run that never heard of the setting, and so is a run whose weights reach
+    the server by broadcast (``weight_transfer: collective``)."""
 
     from training.config import TrainConfig
     from training.trainer import train_phase
@@ -302,12 +303,20 @@ def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_s
                 for s in range(3)]
 
     runs = {}
-    for name, config in (("default", base), ("zero", base.model_copy(update={"max_staleness": 0})),
-                         ("one", base.model_copy(update={"max_staleness": 1}))):
+    collective = PolicyServerConfig(weight_transfer="collective")
+    for name, config, server in (("default", base, None), ("zero", base.model_copy(update={"max_staleness": 0}), None),
+                                 ("one", base.model_copy(update={"max_staleness": 1}), None),
+                                 ("collective", base, collective)):
         final = train_phase("babyai", 0, 2, 3, tiny_model_dir, tmp_path / name, config=config, url=url,
-                            policy_url=vllm_url)
+                            policy_url=vllm_url, policy_server=server)
         runs[name] = ((final / "model.safetensors").read_bytes(), served_steps(tmp_path / name))
     assert runs["zero"] == runs["default"] and runs["zero"][1] == [0, 1, 2]
+    # the weights broadcast instead of loaded from files: the server samples the same, so the run is bitwise the same
+    assert runs["collective"] == runs["default"]
+    from training.checkpoint import read_manifest
+
+    served = read_manifest(tmp_path / "collective" / "final")["engine"]["served"]
+    assert served["step"] == 2 and served["probe_max_diff"] <= 1e-3
     assert runs["one"][1] == [0, 0, 1]  # each rollout one update behind
     metrics = json.loads((tmp_path / "one" / "dvclive" / "metrics.json").read_text())
     assert metrics["rollout"]["staleness"] == 1.0
