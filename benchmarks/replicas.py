@@ -1,6 +1,7 @@
 """Environment-bound rollouts: asynchronous against lock-step, 1 and 2 local replicas, and a replica killed mid-way.
 
     python benchmarks/replicas.py [--env babyai|textcraft|sciworld] [--trajectories 64] [--h 10] [--repeats 3]
+    python benchmarks/replicas.py --engine vllm --env sciworld --trajectories 64 --h 10   # issue 19's main figure
 
 The policy is scripted (every reply ``turn left``, no model), so the time is the environment's: parsing, the
 HTTP round trips and the simulator. Prints env-steps/s with one server and with two (each its own process, so
@@ -8,6 +9,10 @@ two cores serve), the ratio; trajectories/s of the asynchronous mode (generation
 the trajectories at a time, environment steps in flight meanwhile) against lock-step rounds on one server; then
 a run over two replicas where one is SIGKILLed after the first round: how
 many trajectories finished, how many were rolled out again on the other, and how many were lost (must be 0).
+
+``--engine vllm``: the tiny policy served by a vLLM server (``make vllm``) samples every reply instead (at
+temperature 1, so trajectories differ in length and in what the environment does with them), and only the
+asynchronous against lock-step comparison runs: there generation and environment steps overlap.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ REPLIES = {"babyai": "Thought: look around.\nAction: turn left", "textcraft": "T
            "sciworld": "Thought: look.\nAction: look around"}
 
 
+def server_options(env: str, trajectories: int) -> dict[str, int]:
+    """A SciWorld server holds one JVM per live instance (4 by default): one for every trajectory of a rollout."""
+    return {"max_jvms": trajectories} if env == "sciworld" else {}
+
+
 def main() -> None:
     import httpx
     from transformers import AutoTokenizer
@@ -56,13 +66,17 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--h", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", default="scripted", choices=["scripted", "vllm"])
     args = parser.parse_args()
+    if args.engine == "vllm":
+        policy_async_vs_lockstep(args)
+        return
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny")
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     config = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, retries=1, backoff_s=0.05)
     rates = {}
     for replicas in (1, 2):
-        with running_replicas(args.env, replicas) as url:
+        with running_replicas(args.env, replicas, **server_options(args.env, args.trajectories)) as url:
             rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config)
             rollout.run(items, h=2)  # warm-up
             best = 0.0
@@ -76,7 +90,7 @@ def main() -> None:
                               len(result.trajectories)}), flush=True)
     print(json.dumps({"speedup_2_vs_1": round(rates[2] / rates[1], 2)}), flush=True)
     per_s = {}
-    with running_replicas(args.env, 1) as url:
+    with running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
         for mode in ("lockstep", "async"):
             cfg = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, mode=mode,
                                 async_batch=max(1, args.trajectories // 4))
@@ -89,7 +103,7 @@ def main() -> None:
             per_s[mode] = best
             print(json.dumps({"mode": mode, "trajectories_per_s": round(best, 2)}), flush=True)
     print(json.dumps({"speedup_async_vs_lockstep": round(per_s["async"] / per_s["lockstep"], 2)}), flush=True)
-    with running_replicas(args.env, 2) as url:
+    with running_replicas(args.env, 2, **server_options(args.env, args.trajectories)) as url:
         victim = httpx.get(f"{url.split(',')[1]}/health").json()["pid"]
         engine = TurnLeft(tokenizer, REPLIES[args.env],
                           hook=lambda calls: os.kill(victim, signal.SIGKILL) if calls == 2 else None)
@@ -99,6 +113,41 @@ def main() -> None:
                           "valid": len(result.valid), "rolled_out_again": len(result.failed_attempts),
                           "env_errors_left": len(result.trajectories) - len(result.valid),
                           "lost": args.trajectories - len(result.trajectories)}), flush=True)
+
+
+def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
+    """trajectories/s of the asynchronous mode against lock-step rounds, the tiny policy served by vLLM."""
+    from envs.launcher import running_replicas
+    from envs.splits import load_split
+    from training.config import PolicyServerConfig
+    from training.model import load_policy
+    from training.rollout import Rollout, RolloutConfig
+    from training.vllm_engine import VLLMEngine, running_vllm
+
+    model_dir = ROOT / "models" / "tiny"
+    _, tokenizer = load_policy(model_dir)
+    items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
+    budget, new_tokens = 4096, 24
+    per_s: dict[str, list[float]] = {"lockstep": [], "async": []}
+    with running_vllm(model_dir, PolicyServerConfig(), max_model_len=budget + new_tokens) as policy_url, \
+            running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
+        engine = VLLMEngine(policy_url, tokenizer.eos_token_id)
+        for repeat in range(args.repeats):
+            for mode in ("lockstep", "async"):  # interleaved, so both see the same machine
+                config = RolloutConfig(n_samples=4, max_new_tokens=new_tokens, context_budget=budget, mode=mode,
+                                       temperature=1.0, seed=repeat, async_batch=max(1, args.trajectories // 4))
+                rollout = Rollout(args.env, url, engine, tokenizer, config)
+                started = time.perf_counter()
+                result = rollout.run(items, h=args.h)
+                seconds = time.perf_counter() - started
+                per_s[mode].append(len(result.trajectories) / seconds)
+                print(json.dumps({"mode": mode, "repeat": repeat, "trajectories": len(result.trajectories),
+                                  "valid": len(result.valid), "seconds": round(seconds, 1),
+                                  "turns": sum(len(t.turns) for t in result.trajectories),
+                                  "trajectories_per_s": round(per_s[mode][-1], 3)}), flush=True)
+    best = {mode: max(rates) for mode, rates in per_s.items()}
+    print(json.dumps({"engine": "vllm", "env": args.env, "h": args.h,
+                      "speedup_async_vs_lockstep": round(best["async"] / best["lockstep"], 2)}), flush=True)
 
 
 if __name__ == "__main__":

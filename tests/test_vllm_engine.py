@@ -161,6 +161,17 @@ def test_a_collective_sync_with_an_unreachable_server_fails_at_once_and_clearly(
         WeightChannel(VLLMEngine(f"http://127.0.0.1:{port}", tokenizer.eos_token_id, retries=0), "gloo")
 
 
+def test_a_server_log_with_errors_before_its_shutdown_is_kept(tmp_path) -> None:
+    from training.vllm_engine import _logged_errors
+
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) ERROR 12-01 [core.py:1] EngineCore failed\n(APIServer) INFO [shutdown] begin\n")
+    assert _logged_errors(log)
+    # stopping the server makes its output handler log the engine core's forced exit: not a failure
+    log.write_text("INFO ok\n(APIServer) INFO [shutdown] begin\n(APIServer) ERROR [async_llm.py:906] EngineDeadError\n")
+    assert not _logged_errors(log)
+
+
 def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_server, tiny_model_dir, tiny_policy,
                                                                tmp_path) -> None:
     out, url = tmp_path / "phase", env_server("babyai")

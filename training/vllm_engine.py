@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -45,6 +46,8 @@ from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
 from training.engine import Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"
 WORKER_EXTENSION = "training.vllm_worker.WeightLoader"
@@ -127,7 +130,20 @@ def stop_vllm(proc: subprocess.Popen) -> None:
     proc.wait()
     log = getattr(proc, "log_path", None)
     if log and proc.returncode in (0, -signal.SIGINT, -signal.SIGKILL):  # a server that failed keeps its log
-        Path(log).unlink(missing_ok=True)
+        if _logged_errors(Path(log)):  # the API server exits cleanly even when its engine core has died
+            logger.warning("the vLLM server logged errors; its log is kept: %s", log)
+        else:
+            Path(log).unlink(missing_ok=True)
+
+
+def _logged_errors(log: Path) -> bool:
+    """Whether a vLLM server's log holds an ERROR record or a traceback before its shutdown began (stopping it
+    logs the engine core's forced exit as an error)."""
+    try:
+        text = log.read_text(errors="replace").split("[shutdown]", 1)[0]
+    except OSError:
+        return False
+    return " ERROR " in text or "Traceback (most recent call last)" in text
 
 
 @contextlib.contextmanager
