@@ -119,6 +119,9 @@ class Backend(abc.ABC):
     id_field: ClassVar[str] = "id"
     #: Steps cost well under a millisecond (pure Python): the server runs them on its event loop.
     fast_steps: ClassVar[bool] = False
+    #: A batch's instances may be stepped at the same time (each its own simulator process, e.g. one JVM per
+    #: SciWorld instance): ``/step_batch`` steps them on threads, so one slow simulator does not hold the others.
+    parallel_steps: ClassVar[bool] = False
     #: Fields of ``POST /create`` that bring a task of the client's own (``Environment.reset_custom``).
     create_options: ClassVar[tuple[str, ...]] = ()
     #: Extra ``GET /<name>?id=`` endpoints AgentGym's server of this environment has (``Environment.view``).

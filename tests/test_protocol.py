@@ -248,3 +248,32 @@ def test_a_crashed_simulator_fails_only_its_own_step_in_a_batch() -> None:
         assert http.get("/health").json()["status"] == "ok"
         for c in clients:
             c.close()
+
+
+def test_a_parallel_batch_steps_its_instances_at_the_same_time() -> None:
+    """A backend with ``parallel_steps`` (SciWorld: a JVM per instance) has a /step_batch's instances stepped
+    together: four steps that each wait for the other three all finish (stepped one after another, the first would
+    wait in vain); results keep the request's order and a failing instance loses none of the others' steps."""
+    import threading
+
+    from envs.base import StepResult
+    from envs.instances import Slot
+    from envs.server import StepBody, _step_all
+
+    together = threading.Barrier(4, timeout=10)
+
+    class Meeting:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def step(self, action: str) -> StepResult:
+            together.wait()  # BrokenBarrierError unless all four are stepping at once
+            if action == "fail":
+                raise RuntimeError(f"{self.name} crashed")
+            return StepResult(observation=f"{self.name}: {action}", reward=0.0, score=0.0, done=False)
+
+    slots = {i: Slot(env=Meeting(f"instance {i}"), reset=True) for i in (7, 3, 9, 5)}
+    steps = [StepBody(id=i, action="fail" if i == 9 else "look") for i in (7, 3, 9, 5)]
+    results, errors = _step_all(slots, steps, parallel=True)
+    assert [r and r["id"] for r in results] == [7, 3, None, 5]
+    assert results[1]["observation"] == "instance 3: look" and errors == {9: "RuntimeError: instance 9 crashed"}

@@ -145,6 +145,7 @@ class Backend(base.Backend):
     """
 
     name = "sciworld"
+    parallel_steps = True  # one JVM per instance: a /step_batch steps them at the same time
 
     def __init__(
         self,
