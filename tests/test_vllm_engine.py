@@ -74,6 +74,18 @@ def test_token_ids_in_and_out_with_the_trainers_logprobs_after_temperature(vllm_
     assert raw["choices"][0]["prompt_token_ids"] == prompts[0]
 
 
+def test_long_seeded_prompts_sent_together_are_served(vllm_url, tiny_policy) -> None:
+    """Prompts too long to prefill together with a seed each (late turns of many trajectories): vLLM 0.32 on CPU
+    crashed its engine core when it prefilled such a prompt in chunks; the server is started without chunking."""
+    _, tokenizer = tiny_policy
+    prompts = [[5 + (i * 7 + j) % 1000 for j in range(1500 + 37 * i)] for i in range(10)]
+    engine = VLLMEngine(vllm_url, tokenizer.eos_token_id, retries=0)
+    first = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3))
+    again = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3))
+    assert [g.token_ids for g in first] == [g.token_ids for g in again] and all(len(g.token_ids) for g in first)
+    engine.close()
+
+
 def test_a_turn_ends_at_the_end_of_turn_id_which_it_keeps(vllm_url, tiny_policy) -> None:
     _, tokenizer = tiny_policy
     prompt = _prompts(tokenizer)[:1]

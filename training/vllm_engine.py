@@ -45,6 +45,7 @@ from envs.launcher import ROOT, free_port, wait_healthy
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
+from training.devices import resolve_device
 from training.engine import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
            "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         cmd.append("--enforce-eager")
+    if resolve_device("auto").type == "cpu":
+        # vLLM 0.32 on CPU: a seeded request whose prompt is prefilled in chunks crashes the engine core (it rewinds
+        # the request's generator, and a CPU generator has no offset: "CPU Generator does not use offset"), which
+        # long prompts sent together (SciWorld, late turns) hit at once. Whole-prompt prefills never rewind.
+        cmd.append("--no-enable-chunked-prefill")
     if lora_rank is not None:
         fits = [r for r in LORA_RANKS if r >= lora_rank]
         if not fits:
