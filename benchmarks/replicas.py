@@ -67,8 +67,13 @@ def main() -> None:
     parser.add_argument("--h", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", default="scripted", choices=["scripted", "vllm"])
+    parser.add_argument("--async-batch", type=int, default=None,
+                        help="--engine vllm: generations per engine call in the asynchronous mode (default a quarter "
+                             "of the trajectories; 0: all that are ready)")
     args = parser.parse_args()
     if args.engine == "vllm":
+        if args.async_batch is None:
+            args.async_batch = max(1, args.trajectories // 4)
         policy_async_vs_lockstep(args)
         return
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny")
@@ -132,10 +137,13 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     with running_vllm(model_dir, PolicyServerConfig(), max_model_len=budget + new_tokens) as policy_url, \
             running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
         engine = VLLMEngine(policy_url, tokenizer.eos_token_id)
+        # warm-up: every simulator started (SciWorld launches a JVM per instance on its first reset) and warm
+        Rollout(args.env, url, engine, tokenizer, RolloutConfig(n_samples=4, max_new_tokens=4, context_budget=budget)
+                ).run(items, h=2)
         for repeat in range(args.repeats):
             for mode in ("lockstep", "async"):  # interleaved, so both see the same machine
                 config = RolloutConfig(n_samples=4, max_new_tokens=new_tokens, context_budget=budget, mode=mode,
-                                       temperature=1.0, seed=repeat, async_batch=max(1, args.trajectories // 4))
+                                       temperature=1.0, seed=repeat, async_batch=args.async_batch or None)
                 rollout = Rollout(args.env, url, engine, tokenizer, config)
                 started = time.perf_counter()
                 result = rollout.run(items, h=args.h)
@@ -146,7 +154,7 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
                                   "turns": sum(len(t.turns) for t in result.trajectories),
                                   "trajectories_per_s": round(per_s[mode][-1], 3)}), flush=True)
     best = {mode: max(rates) for mode, rates in per_s.items()}
-    print(json.dumps({"engine": "vllm", "env": args.env, "h": args.h,
+    print(json.dumps({"engine": "vllm", "env": args.env, "h": args.h, "async_batch": args.async_batch,
                       "speedup_async_vs_lockstep": round(best["async"] / best["lockstep"], 2)}), flush=True)
 
 
