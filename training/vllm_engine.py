@@ -452,13 +452,17 @@ class WeightSync:
                 engine.close()
                 raise
         sync = cls(engine, probe_sequence(tokenizer), tolerance, adapter_base, channel)
-        if adapter_base is not None:
-            sync.engine.load_weights(adapter_base)
-            sync.push(model, step)
-        elif channel is not None:
-            sync.push(model, step, state=state)
-        else:
-            sync.push(model, step, folder=folder)
+        try:
+            if adapter_base is not None:
+                sync.engine.load_weights(adapter_base)
+                sync.push(model, step)
+            elif channel is not None:
+                sync.push(model, step, state=state)
+            else:
+                sync.push(model, step, folder=folder)
+        except BaseException:  # a first load that fails (or fails its probe) leaves no client, group or files
+            sync.close()
+            raise
         return sync
 
     def verify(self, model: torch.nn.Module) -> float:
