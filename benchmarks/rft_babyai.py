@@ -14,7 +14,8 @@ docs/methods-babyai.json.
 
 ``--task goto-h1``: the task of benchmarks/learning_babyai.py instead (GoTo with the target in view, one turn;
 its SFT warm start built once into runs/rft-babyai-h1/warm, evaluated here on 900 held-out items); writes
-docs/methods-babyai-goto-h1.json.
+docs/methods-babyai-goto-h1.json. ``--task study-h1``: that one-turn task from the study's warm start (RFT on the
+study's GRPO items the expert solves in one turn); docs/methods-babyai-study-h1.json.
 """
 
 from __future__ import annotations
@@ -60,9 +61,22 @@ def goto_h1_task() -> tuple[Path, list[str], list[str], int, None, dict[str, int
     return warm, list(solvable(pool[3400:6000], 1)), test, 1, None, dict.fromkeys(test, 1)
 
 
+def study_h1_task() -> tuple[Path, list[str], list[str], int, None, dict[str, int]]:
+    """The study's warm start on the one-turn task (GoTo with the target in view, h=1): RFT on the study's GRPO
+    items the expert solves in one turn, evaluated on the 900 held-out one-turn items of ``goto-h1``."""
+    from benchmarks.learning_babyai import solvable
+    from envs.registry import load_backend
+
+    backend = load_backend("babyai")
+    held_out = [f"babyai_{i}" for i in [*range(900, 2000), *range(50_000, 60_000)] if backend.sub_task(i) == "GoTo"]
+    test = list(solvable(held_out[:9000], 1))[:900]
+    grpo = json.loads((STUDY / "items.json").read_text())["grpo"]
+    return STUDY / "warm", list(solvable(grpo[:2000], 1)), test, 1, None, dict.fromkeys(test, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=["study", "goto-h1"], default="study")
+    parser.add_argument("--task", choices=["study", "goto-h1", "study-h1"], default="study")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--items", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
@@ -82,7 +96,8 @@ def main() -> None:
     from training.evaluate import evaluate, paired_difference_ci
     from training.rft import RFTConfig, rft
 
-    warm, pool, held, h, before_items, turns = study_task() if args.task == "study" else goto_h1_task()
+    tasks = {"study": study_task, "goto-h1": goto_h1_task, "study-h1": study_h1_task}
+    warm, pool, held, h, before_items, turns = tasks[args.task]()
     out_json = args.out or ROOT / "docs" / ("methods-babyai.json" if args.task == "study"
                                             else f"methods-babyai-{args.task}.json")
     train = pool[: args.items]
