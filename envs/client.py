@@ -100,15 +100,23 @@ def _check(response: httpx.Response) -> Any:
 
 
 def server_capacity(url: str, token: str | None = None, timeout: float = 30.0) -> int | None:
-    """How many live instances the server at ``url`` holds at once (its /health ``capacity``: SciWorld's JVM
-    pool, WebArena's browser contexts); None when it sets no bound."""
+    """How many live instances the server at ``url`` holds at once: its /health ``capacity`` (SciWorld's JVM
+    pool, WebArena's browser contexts) or its instance limit (``max_instances``), the smaller; None when it sets
+    no bound."""
     try:
         with env_http(url.rstrip("/"), token=token, timeout=timeout) as http:
             health = _check(http.get("/health"))
     except httpx.TransportError as err:
         raise _transport_error("GET", "/health", url, err) from err
-    capacity = health.get("capacity") if isinstance(health, dict) else None
-    return int(capacity) if capacity else None
+    return health_capacity(health)
+
+
+def health_capacity(health: Any) -> int | None:
+    """The live instances a server holds at once, from its /health answer (see :func:`server_capacity`)."""
+    if not isinstance(health, dict):
+        return None
+    bounds = [int(health[k]) for k in ("capacity", "max_instances") if health.get(k)]
+    return min(bounds) if bounds else None
 
 
 def agentgym_conversation(instruction: str, ack: str) -> tuple[dict[str, Any], dict[str, Any]]:

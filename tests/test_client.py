@@ -7,7 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from envs.client import EnvServerError, server_capacity, step_many
+from envs.client import EnvServerError, health_capacity, server_capacity, step_many
+from envs.launcher import running_server
 from envs.react import MULTIPLE_ACTIONS
 from envs.registry import SERVED, UnknownEnvironmentError, async_client_class, client_class, load_backend
 
@@ -73,9 +74,13 @@ def test_unreachable_server_is_a_clear_error() -> None:
         server_capacity("http://127.0.0.1:9")
 
 
-def test_server_capacity_is_the_pool_bound_or_none(env_server) -> None:
-    assert server_capacity(env_server("textcraft")) is None  # in-process simulators: no pool
+def test_server_capacity_is_the_pool_bound_or_the_instance_limit(env_server) -> None:
+    textcraft = env_server("textcraft")  # in-process simulators: no pool, the server's instance limit
+    assert server_capacity(textcraft) == httpx.get(f"{textcraft}/health").json()["max_instances"] > 4
     assert server_capacity(env_server("sciworld")) == 4  # the JVM pool (max_jvms of the session server)
+    with running_server("babyai", max_instances=3) as url:
+        assert server_capacity(url) == 3
+    assert health_capacity({"status": "ok"}) is None  # a server that names no bound (not one of ours)
 
 
 def test_async_client_matches_sync_client(env_server) -> None:

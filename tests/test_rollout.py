@@ -117,6 +117,34 @@ def test_async_mode_gives_the_same_trajectories_as_lockstep(env: str, env_server
     assert {r[3] for r in runs["async"]} == {"done", "turn_cap"}
 
 
+def test_async_mode_admits_trajectories_as_instances_free(env_server, tiny_policy) -> None:
+    """A server that holds 5 instances and a rollout of 24 trajectories, no retries: lock-step rounds cannot (the
+    resets past the fifth are refused), the asynchronous mode admits each trajectory as another ends and closes
+    its instance, and gives the trajectories lock-step gives on an unbounded server, none left open."""
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    items = _items("babyai", 12)
+    scripts = {}
+    for item in items:
+        key, replies, _ = _script("babyai", item, chat)
+        scripts[key] = replies
+    h = max(len(r) for r in scripts.values()) - 1
+
+    def run(url: str, mode: str) -> list[tuple]:
+        config = RolloutConfig(n_samples=2, max_new_tokens=512, context_budget=100_000, mode=mode, async_batch=2,
+                               retries=0)
+        result = Rollout("babyai", url, ScriptedEngine(tokenizer, scripts), tokenizer, config).run(items, h=h)
+        return sorted((t.group, t.sample, tuple(t.input_ids), t.termination, t.reward, len(t.turns))
+                      for t in result.trajectories)
+
+    unbounded = run(env_server("babyai"), "lockstep")
+    with running_server("babyai", max_instances=5) as small:
+        assert sum(r[3] == "env_error" for r in run(small, "lockstep")) == 24 - 5
+        assert _live(small) == 0
+        assert run(small, "async") == unbounded
+        assert _live(small) == 0
+
+
 def test_token_ids_and_loss_mask_equal_the_chat_templates(env_server, tiny_policy) -> None:
     tokenizer = tiny_policy[1]
     chat = ChatFormat(tokenizer)

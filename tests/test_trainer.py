@@ -153,6 +153,21 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     assert {"state/trainer_state.pt", "state/optimizer_rank0.pt"} <= set(manifest["files"])
 
 
+def test_a_step_larger_than_the_server_trains_with_asynchronous_rollouts(tiny_model_dir, tmp_path) -> None:
+    """A server that holds 3 instances and a step of 2 items x 2 samples: lock-step refuses before rolling out
+    (naming the way out), rollout_mode async admits the fourth trajectory when one ends and trains."""
+    from training.trainer import CapacityConfigError
+
+    with running_server("babyai", max_instances=3) as url:
+        with pytest.raises(CapacityConfigError, match="rollout_mode: async"):
+            train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path / "lockstep", config=CONFIG, url=url)
+        config = CONFIG.model_copy(update={"rollout_mode": "async"})
+        final = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path / "async", config=config, url=url)
+        records = [json.loads(line) for line in (tmp_path / "async" / "rollouts" / "step-000000.jsonl").open()]
+        assert len(records) == 4 and not any(r["termination"] == "env_error" for r in records)
+        assert read_manifest(final)["config"]["rollout_mode"] == "async"
+
+
 def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path) -> None:
     once = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "one", config=CONFIG, url=env_server("babyai"))
     twice = train_phase("babyai", 0, 1, 1, tiny_model_dir, tmp_path / "two", url=env_server("babyai"),

@@ -64,7 +64,9 @@ class TrainConfig(BaseModel):
                                                  "its reset, checked after each turn (None: unbounded)")
     rollout_mode: Literal["lockstep", "async"] = Field("lockstep", description="lockstep: rounds of one batched "
                                                        "generation and one batched step; async: each trajectory "
-                                                       "moves on its own, generations batched by what is ready")
+                                                       "moves on its own, generations batched by what is ready, "
+                                                       "trajectories admitted as environment instances free (a step "
+                                                       "may then hold more than the servers' capacity)")
     async_batch: int | None = Field(None, ge=1, description="async: most trajectories per generation call (None: "
                                     "all that are ready)")
     max_staleness: int = Field(0, ge=0, le=1, description="1: generate step t+1's rollout (on the vLLM server, "

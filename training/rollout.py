@@ -8,6 +8,10 @@ as what ended it: the turn cap h, tokens per turn (``max_new_tokens``), the cont
 overflow ``context_budget``: ``context_cap``), its generated tokens (``token_cap``) and its wall-clock time
 since its reset (``time_cap``).
 
+The asynchronous mode (``mode="async"``) drops the rounds: each trajectory moves on its own, generations are
+batched by what is ready, and trajectories are admitted as instances free, so one rollout may hold more
+trajectories than its servers have instances (SciWorld's JVMs, WebArena's browser contexts).
+
 Replicas: an environment may be served by several servers (``url`` a list). Trajectories are spread over them by
 each server's capacity (``/health``), and each round steps every server's share concurrently. A server that
 fails (a transport error after the retries) is marked dead: trajectories not yet reset go to the others, and
@@ -23,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,7 +39,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from tqdm import tqdm
 
-from envs.client import BaseEnvClient, EnvServerError, StepOutput, env_http, step_many
+from envs.client import BaseEnvClient, EnvServerError, StepOutput, env_http, health_capacity, step_many
 from envs.registry import client_class
 from envs.splits import item_index
 from training.engine import PolicyEngine, SamplingParams
@@ -180,24 +185,28 @@ class Rollout:
             [env_http(u, token=token, timeout=300.0) for u in self.urls]
         self.http = self.https[0]
         self.dead: set[int] = set()  # replicas that failed; none is tried again by this Rollout
-        self._weights: list[float] | None = None
+        self._capacities: list[float] | None = None
+
+    def capacities(self) -> list[float]:
+        """How many live instances each server holds at once, from its /health (its simulator or browser pool, or
+        its instance limit; infinite when it names neither), read once; an unreachable server holds 0 (it gets
+        nothing, and is tried last)."""
+        if self._capacities is None:
+            capacities = []
+            for http in self.https:
+                try:
+                    capacities.append(float(health_capacity(http.get("/health").json()) or math.inf))
+                except (httpx.HTTPError, ValueError):
+                    capacities.append(0.0)
+            self._capacities = capacities
+        return self._capacities
 
     def weights(self) -> list[float]:
-        """Each server's share of the trajectories: its capacity from /health (its instance limit when it has no
-        pool), read once; a single server needs no call."""
-        if self._weights is None:
-            if len(self.urls) == 1:
-                self._weights = [1.0]
-            else:
-                shares = []
-                for http in self.https:
-                    try:
-                        health = http.get("/health").json()
-                        shares.append(float(health.get("capacity") or health.get("max_instances") or 1))
-                    except (httpx.HTTPError, ValueError):
-                        shares.append(0.0)  # unreachable now: it gets nothing (and is tried last)
-                self._weights = shares if any(shares) else [1.0] * len(shares)
-        return self._weights
+        """Each server's share of the trajectories: its capacity (1 when unbounded); a single server needs no call."""
+        if len(self.urls) == 1:
+            return [1.0]
+        shares = [1.0 if c == math.inf else c for c in self.capacities()]
+        return shares if any(shares) else [1.0] * len(shares)
 
     def _assign(self, count: int) -> list[int]:
         """A server for each of ``count`` trajectories: weighted round robin over the live servers."""
@@ -212,6 +221,17 @@ class Rollout:
             given[server] += 1
             out.append(server)
         return out
+
+    def _free_server(self, held: Counter[int]) -> int | None:
+        """The live server with the most room left relative to its capacity, or None when every one is full."""
+        capacities = self.capacities()
+        live = [s for s in range(len(self.urls)) if s not in self.dead]
+        if not live:
+            raise EnvServerError(f"every {self.env} server has failed: {', '.join(self.urls)}", retryable=False)
+        if not any(capacities[s] for s in live):  # none answered /health: try them all, unbounded
+            return min(live, key=lambda s: (held[s], s))
+        room = [s for s in live if held[s] < capacities[s]]
+        return min(room, key=lambda s: ((held[s] + 1) / capacities[s], held[s], s)) if room else None
 
     def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
         """Roll out ``n_samples`` trajectories per item with at most ``h`` turns each."""
@@ -241,13 +261,13 @@ class Rollout:
         clients: list[BaseEnvClient | None] = [None] * len(trajectories)
         env_seconds = 0.0
         try:
-            env_seconds += self._reset_all(trajectories, clients)
-            if self.config.mode == "async":
+            if self.config.mode == "async":  # resets as instances free, inside the asynchronous loop
                 gen_s, env_s, tokens = self._play_async(trajectories, clients, h, step)
                 result.seconds_generating += gen_s
                 env_seconds += env_s
                 result.generated_tokens += tokens
                 return
+            env_seconds += self._reset_all(trajectories, clients)
             rounds = tqdm(range(h), desc=f"{self.env} rollout (h={h})", disable=not progress, leave=False)
             for round_idx in rounds:
                 active = [i for i, t in enumerate(trajectories) if t.active]
@@ -267,36 +287,42 @@ class Rollout:
 
     def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
         started = time.perf_counter()
-        cfg = self.config
         servers = self._assign(len(trajectories))
-        for i, t in enumerate(trajectories):
-            while True:
-                server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
-                t.server = server
-                try:
-                    client = with_retries(lambda s=server: self.client_cls(self.urls[s], http=self.https[s]),
-                                          cfg.retries, cfg.backoff_s)
-                    clients[i] = client
-                    idx = item_index(t.item_id)
-                    first = with_retries(lambda c=client, i=idx: c.reset(i), cfg.retries, cfg.backoff_s)
-                except EnvServerError as err:
-                    if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
-                        raise  # a bad item id or request is the caller's mistake: fail loudly
-                    if err.status_code is None and len(self.urls) - len(self.dead) > 1:
-                        self.dead.add(server)  # unreachable after the retries: the next live replica takes it
-                        continue
-                    t.finish("env_error", str(err))
-                    break
-                t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
-                t.append_prompt(self.chat.prompt(t.messages))
-                t.prompt_length = len(t.input_ids)
-                t.started = time.perf_counter()
-                if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
-                    t.finish("context_cap")
-                elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
-                    t.finish("token_cap")
-                break
+        for i in range(len(trajectories)):
+            server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
+            while not self._reset_one(trajectories, clients, i, server):
+                server = self._assign(1)[0]
         return time.perf_counter() - started
+
+    def _reset_one(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], i: int,
+                   server: int) -> bool:
+        """Open trajectory ``i``'s instance on ``server`` and reset it to its item. False when the server could not
+        be reached and another live replica should take it (the server is then marked dead); an environment error
+        otherwise ends the trajectory as ``env_error``."""
+        cfg, t = self.config, trajectories[i]
+        t.server = server
+        try:
+            client = with_retries(lambda: self.client_cls(self.urls[server], http=self.https[server]),
+                                  cfg.retries, cfg.backoff_s)
+            clients[i] = client
+            first = with_retries(lambda: client.reset(item_index(t.item_id)), cfg.retries, cfg.backoff_s)
+        except EnvServerError as err:
+            if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
+                raise  # a bad item id or request is the caller's mistake: fail loudly
+            if err.status_code is None and len(self.urls) - len(self.dead) > 1:
+                self.dead.add(server)  # unreachable after the retries: the next live replica takes it
+                return False
+            t.finish("env_error", str(err))
+            return True
+        t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
+        t.append_prompt(self.chat.prompt(t.messages))
+        t.prompt_length = len(t.input_ids)
+        t.started = time.perf_counter()
+        if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
+            t.finish("context_cap")
+        elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
+            t.finish("token_cap")
+        return True
 
     def _generate(self, trajectories: list[Trajectory], chosen: list[int], step: int, call: int
                   ) -> tuple[list[str], float, int]:
@@ -328,13 +354,36 @@ class Rollout:
                     step: int) -> tuple[float, float, int]:
         """The asynchronous mode: generate for the trajectories that are ready (up to ``async_batch``), hand each
         generated batch's environment steps to worker threads, and generate for the next ready ones while they
-        run. Each trajectory still ends by its own budgets (h counted in its own turns)."""
+        run. Trajectories are admitted as instances free: each is reset (in a worker) only while its server holds
+        fewer live instances than its capacity (``/health``), and a finished trajectory's instance is closed at
+        once, so a rollout may have more trajectories than the servers hold at a time. Each trajectory still ends
+        by its own budgets (h counted in its own turns). Returns seconds generating, seconds waiting on the
+        environment, and tokens generated."""
         cfg = self.config
-        ready = [i for i, t in enumerate(trajectories) if t.active]
-        in_flight: dict[Future[list[StepOutput]], tuple[list[int], list[str]]] = {}
+        pending = list(range(len(trajectories)))  # not yet admitted, in order
+        held: Counter[int] = Counter()  # live instances per server
+        ready: list[int] = []
+        # a future's trajectories, and their replies (None: a reset)
+        in_flight: dict[Future[Any], tuple[list[int], list[str] | None]] = {}
         gen_s, tokens, calls = 0.0, 0, 0
         busy_env = 0.0
         with ThreadPoolExecutor(max(4, 2 * len(self.urls))) as pool:
+
+            def admit() -> None:
+                while pending and (server := self._free_server(held)) is not None:
+                    i = pending.pop(0)
+                    held[server] += 1
+                    trajectories[i].server = server
+                    in_flight[pool.submit(self._reset_one, trajectories, clients, i, server)] = ([i], None)
+
+            def release(i: int) -> None:  # a finished trajectory gives its instance back now
+                held[trajectories[i].server] -= 1
+                client, clients[i] = clients[i], None
+                if client is not None:
+                    with contextlib.suppress(EnvServerError):
+                        client.close()
+
+            admit()
             while ready or in_flight:
                 if ready:
                     batch, ready = ready[: cfg.async_batch or len(ready)], ready[cfg.async_batch or len(ready):]
@@ -360,13 +409,28 @@ class Rollout:
                     busy_env += time.perf_counter() - t1
                 for future in done:
                     batch, texts = in_flight.pop(future)
+                    if texts is None:  # a reset came back
+                        (i,) = batch
+                        if not future.result():  # its server could not be reached: admit it again elsewhere
+                            held[trajectories[i].server] -= 1
+                            pending.insert(0, i)
+                        elif trajectories[i].active:
+                            ready.append(i)
+                        else:
+                            release(i)
+                        continue
                     for i, text, out in zip(batch, texts, future.result(), strict=True):
                         t = trajectories[i]
                         self._record(t, text, out)
                         if t.active and len(t.turns) >= h:
                             t.finish("turn_cap")
-                        elif t.active:
+                        if t.active:
                             ready.append(i)
+                        else:
+                            release(i)
+                admit()
+        for i in pending:  # cannot happen while a live server has capacity; never leave a trajectory unended
+            trajectories[i].finish("env_error", "no environment server had room for it")
         return gen_s, busy_env, tokens
 
     def _step_round(self, clients: list[Any], texts: list[str], servers: list[int]) -> list[StepOutput]:

@@ -689,13 +689,14 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
         read_manifest(final, verify=True)
         return final
     envs = mixed_envs(env)
-    if len(envs) == 1 and isinstance(url, str):
-        check_capacity(url, config.batch_items * config.n_samples)
-    else:  # each environment's servers hold that environment's share of a step
-        urls, counts = parse_urls(envs, url), allocation({e: s.weight for e, s in shares(envs, config).items()},
-                                                         config.batch_items)
-        for e in envs:
-            check_capacity(urls[e], counts[e] * config.n_samples)
+    if config.rollout_mode == "lockstep":  # asynchronous rollouts admit trajectories as instances free instead
+        if len(envs) == 1 and isinstance(url, str):
+            check_capacity(url, config.batch_items * config.n_samples)
+        else:  # each environment's servers hold that environment's share of a step
+            urls, counts = parse_urls(envs, url), allocation({e: s.weight for e, s in shares(envs, config).items()},
+                                                             config.batch_items)
+            for e in envs:
+                check_capacity(urls[e], counts[e] * config.n_samples)
     while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
         trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
                                policy_server)
@@ -723,4 +724,5 @@ def check_capacity(url: str, live: int) -> None:
     if capacity and live > capacity:
         raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
                                   f"environment server holds at most {capacity} (max_jvms / max_contexts): lower "
-                                  "batch_items or n_samples, or start the server with a larger pool")
+                                  "batch_items or n_samples, start the server with a larger pool, or set "
+                                  "rollout_mode: async (trajectories admitted as instances free)")
