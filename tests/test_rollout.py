@@ -320,13 +320,14 @@ class _TurnLeft:
         return [Generation(list(self.ids), [0.0] * len(self.ids), True) for _ in prompts]
 
 
-def test_replicas_share_the_trajectories_and_a_killed_one_loses_none(tiny_policy) -> None:
+@pytest.mark.parametrize("mode", ["lockstep", "async"])
+def test_replicas_share_the_trajectories_and_a_killed_one_loses_none(mode: str, tiny_policy) -> None:
     """Two BabyAI servers: the trajectories are spread by capacity and are exactly those of one server (same
     items, a policy that always acts); one SIGKILLed after the first round: its trajectories are rolled out again
     on the other, every trajectory is accounted for (valid, the lost attempts counted), none a silent zero."""
     tokenizer = tiny_policy[1]
     items = _items("babyai", 4)
-    config = RolloutConfig(n_samples=2, max_new_tokens=12, seed=3, retries=1, backoff_s=0.05)
+    config = RolloutConfig(n_samples=2, max_new_tokens=12, seed=3, retries=1, backoff_s=0.05, mode=mode)
     with running_server("babyai") as first, running_server("babyai") as second:
         single = Rollout("babyai", first, _TurnLeft(tokenizer), tokenizer, config).run(items, h=3)
         shared = Rollout("babyai", [first, second], _TurnLeft(tokenizer), tokenizer, config).run(items, h=3)
@@ -342,7 +343,9 @@ def test_replicas_share_the_trajectories_and_a_killed_one_loses_none(tiny_policy
         assert rollout.dead == {1}
         assert len(result.trajectories) == 8 and all(t.valid for t in result.trajectories)
         assert all(t.server == 0 for t in result.trajectories)
-        assert len(result.failed_attempts) == 4 and result.stats["env/failed_attempts"] == 4
+        # lock-step: the victim's 4 were all mid-rollout; async: any not reset yet move over with no lost attempt
+        lost = len(result.failed_attempts)
+        assert (lost == 4 if mode == "lockstep" else 1 <= lost <= 4) and result.stats["env/failed_attempts"] == lost
         assert all(t.termination == "env_error" for t in result.failed_attempts)
         assert sorted((t.group, t.sample) for t in result.trajectories) == [(g, s) for g in range(4) for s in range(2)]
         assert [t.input_ids for t in result.trajectories] == [t.input_ids for t in single.trajectories]
