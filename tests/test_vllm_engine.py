@@ -184,6 +184,26 @@ def test_a_server_log_with_errors_before_its_shutdown_is_kept(tmp_path) -> None:
     assert not _logged_errors(log)
 
 
+def test_the_fingerprint_of_tensors_on_an_accelerator_sees_every_change() -> None:
+    """What names a collective sync's version when the weights lie on a GPU (computed there, not copied to the
+    host), run here on CPU tensors: equal for equal tensors, changed by one value, by two values swapped, by one
+    byte of a tensor of odd size, and by a name."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 33), "b": torch.randn(3).bfloat16(), "c": torch.arange(5, dtype=torch.uint8)}
+    base = tensors_hash(state, exact=False)
+    assert tensors_hash({k: v.clone() for k, v in state.items()}, exact=False) == base
+    changed = []
+    for edit in (lambda s: s["w"].__setitem__((40, 7), s["w"][40, 7] + 1e-6),
+                 lambda s: s["w"][0].copy_(state["w"][0].roll(1)),
+                 lambda s: s["c"].__setitem__(3, 99)):
+        other = {k: v.clone() for k, v in state.items()}
+        edit(other)
+        changed.append(tensors_hash(other, exact=False))
+    renamed = tensors_hash({"W" if k == "w" else k: v for k, v in state.items()}, exact=False)
+    assert len({base, *changed, renamed}) == 5
+    assert tensors_hash(state) != base  # the exact hash (CPU tensors) is SHA-256 of every byte
+
+
 def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_server, tiny_model_dir, tiny_policy,
                                                                tmp_path) -> None:
     out, url = tmp_path / "phase", env_server("babyai")

@@ -319,13 +319,42 @@ def sendable_state(weights: torch.nn.Module | dict[str, torch.Tensor]) -> dict[s
     return state
 
 
-def tensors_hash(state: dict[str, torch.Tensor]) -> str:
-    """Content hash of the tensors a collective sync sends: names, dtypes, shapes and bytes, in order."""
+def tensors_hash(state: dict[str, torch.Tensor], exact: bool | None = None) -> str:
+    """Content hash of the tensors a collective sync sends: names, dtypes, shapes and contents, in order.
+
+    ``exact`` (default: for tensors on the CPU) hashes every byte with SHA-256. Tensors on an accelerator are
+    fingerprinted where they lie instead (two position-weighted sums of their words per tensor, brought to the host
+    in one copy), so a sync never copies a 7B model to the host just to name its version; any change of a value
+    or of the order of values changes the fingerprint."""
     digest = hashlib.sha256()
+    sums = []
     for name, tensor in state.items():
         digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}\n".encode())
-        digest.update(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        if exact if exact is not None else tensor.device.type == "cpu":
+            digest.update(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        else:
+            sums.append(_fingerprint(tensor))
+    if sums:
+        digest.update(str(torch.stack(sums).tolist()).encode())
     return digest.hexdigest()
+
+
+@torch.no_grad()
+def _fingerprint(tensor: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Sum of a tensor's 32-bit words (bytes when its size is not a multiple of 4) and their sum weighted by
+    position, in int64 on the tensor's device (wrapping on overflow), a chunk at a time to bound the memory."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    try:
+        words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    except RuntimeError:  # a view whose offset is not 4-byte aligned: its bytes then
+        words = flat
+    total = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    for start in range(0, words.numel(), chunk):
+        values = words[start:start + chunk].to(torch.int64)
+        weights = torch.arange(start, start + values.numel(), device=tensor.device, dtype=torch.int64) % 65521 + 1
+        total[0] += values.sum()
+        total[1] += (values * weights).sum()
+    return total
 
 
 class WeightChannel:
