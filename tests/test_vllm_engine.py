@@ -68,6 +68,12 @@ def test_token_ids_in_and_out_with_the_trainers_logprobs_after_temperature(vllm_
         assert len(gen.token_ids) == len(gen.logprobs) >= 1
         diff = (_trainer_logprobs(model, prompt, gen.token_ids, 0.7) - torch.tensor(gen.logprobs)).abs().max()
         assert float(diff) <= 1e-3, "log-probs must be the trainer's at the sampling temperature"
+    # our servers offer the token-in/token-out endpoint; the completions endpoint (any OpenAI-compatible server)
+    # gives the same samples and log-probs
+    assert engine.api == "generate"
+    same = VLLMEngine(vllm_url, tokenizer.eos_token_id, api="completions").generate(prompts, params)
+    assert [g.token_ids for g in same] == [g.token_ids for g in first]
+    assert [g.logprobs for g in same] == [pytest.approx(g.logprobs, abs=1e-5) for g in first]
     # the server took exactly our ids (nothing decoded and re-encoded)
     raw = httpx.post(f"{vllm_url}/v1/completions", json={"model": "policy", "prompt": prompts[0], "max_tokens": 1,
                                                          "return_token_ids": True}, timeout=60).json()
@@ -390,6 +396,17 @@ def test_lora_training_syncs_the_adapter_in_place(env_server, bandit_warm_start,
         ids = probe_sequence(tokenizer)
         diff = (torch.tensor(base.prompt_logprobs(ids)) - torch.tensor(probe_logprobs(model, ids))).abs().max()
         assert float(diff) <= 1e-3
+        # rollouts sample from the adapter: the token endpoint honours its name as the completions endpoint does
+        adapter = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"] if m["id"] != "policy"]
+        assert len(adapter) == 1
+        params, prompt = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1), [ids[:-8]]
+        sampler = VLLMEngine(url, tokenizer.eos_token_id, model=adapter[0])
+        tuned = sampler.generate(prompt, params)[0]
+        again = VLLMEngine(url, tokenizer.eos_token_id, model=adapter[0], api="completions").generate(prompt, params)[0]
+        assert sampler.api == "generate" and tuned.token_ids == again.token_ids
+        assert tuned.logprobs == pytest.approx(again.logprobs, abs=1e-5)
+        start = base.generate(prompt, params)[0]  # the base weights sample otherwise
+        assert (start.token_ids, start.logprobs) != (tuned.token_ids, pytest.approx(tuned.logprobs, abs=1e-4))
     print(f"LoRA adapter sync: {engine['served']['seconds']:.3f} s (the last of {engine['syncs']})")
     rows = (tmp_path / "rollouts" / "step-000002.jsonl").read_text().splitlines()
     assert '"weights": {"step": 2' in rows[-1]  # step 2 sampled from the adapter after step 1's update

@@ -6,9 +6,11 @@
 
 vLLM cannot share a Python environment with Prefect (it pins an older fastapi and transformers), so it runs as
 users run it, ``python -m vllm.entrypoints.openai.api_server`` from the environment ``make vllm`` builds
-(``.venv-vllm``; ``SCALINGINTER_VLLM_PYTHON`` names another). Token ids go in (``POST /v1/completions`` with
-``prompt`` as ids) and token ids and log-probs come out (``return_token_ids``, ``logprobs``): nothing is decoded
-and re-encoded. The server is started with ``--logprobs-mode processed_logprobs``, so log-probs are taken after
+(``.venv-vllm``; ``SCALINGINTER_VLLM_PYTHON`` names another). Token ids go in and token ids and log-probs come out:
+through vLLM's token-in/token-out endpoint (``POST /inference/v1/generate``, which servers started here offer with
+``--enable-scale-out``; nothing is detokenized on the server), else, on any other OpenAI-compatible server,
+``POST /v1/completions`` with ``prompt`` as ids, ``return_token_ids`` and ``logprobs``. Nothing is decoded and
+re-encoded. The server is started with ``--logprobs-mode processed_logprobs``, so log-probs are taken after
 temperature, as the hf engine's and the PPO ratio's are. Each prompt is its own request with its own seed
 (derived from the call's seed and the prompt's position; one batched request would give every prompt of a
 GRPO group the same sample); vLLM batches the concurrent requests continuously.
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -79,7 +81,8 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", config.dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
-           "--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+           "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+           "--enable-scale-out"]  # the token-in/token-out endpoint (/inference/v1/generate) the engine samples from
     if config.enforce_eager:
         cmd.append("--enforce-eager")
     if resolve_device("auto").type == "cpu":
@@ -174,9 +177,11 @@ class VLLMEngine:
     """
 
     def __init__(self, url: str, eos_token_id: int, model: str = SERVED_NAME, api_key: str | None = None,
-                 concurrency: int = 64, timeout_s: float = 600.0, retries: int = 2) -> None:
+                 concurrency: int = 64, timeout_s: float = 600.0, retries: int = 2,
+                 api: Literal["auto", "generate", "completions"] = "auto") -> None:
         self.url, self.eos_token_id, self.model = url.rstrip("/"), int(eos_token_id), model
         self.concurrency, self.retries = concurrency, retries
+        self.api = api  # auto: the token endpoint when the server's OpenAPI schema lists it (asked once)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
                                    limits=httpx.Limits(max_connections=concurrency))
@@ -206,21 +211,27 @@ class VLLMEngine:
         raise AssertionError("unreachable")
 
     def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> Generation:
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": params.max_new_tokens,
-                                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
-                                "return_token_ids": True, "skip_special_tokens": False,
-                                # the end-of-turn id ends a turn (kept, with its log-prob), as in the hf engine;
-                                # the model's own eos (another id in some configs) does not
-                                "stop_token_ids": [self.eos_token_id], "ignore_eos": True}
+        sampling: dict[str, Any] = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                                    "top_p": params.top_p, "logprobs": 0, "skip_special_tokens": False,
+                                    # the end-of-turn id ends a turn (kept, with its log-prob), as in the hf engine;
+                                    # the model's own eos (another id in some configs) does not
+                                    "stop_token_ids": [self.eos_token_id], "ignore_eos": True}
         if params.top_k:
-            body["top_k"] = params.top_k
+            sampling["top_k"] = params.top_k
         if seed is not None:
-            body["seed"] = seed
-        answer = self._post("/v1/completions", body)
+            sampling["seed"] = seed
         try:
-            choice = answer["choices"][0]
+            if self.api == "generate":
+                answer = self._post("/inference/v1/generate", {
+                    "model": self.model, "token_ids": prompt, "sampling_params": {**sampling, "detokenize": False}})
+                choice = answer["choices"][0]
+                logprobs = [float(x["logprob"]) for x in choice["logprobs"]["content"]]
+            else:
+                answer = self._post("/v1/completions", {"model": self.model, "prompt": prompt, **sampling,
+                                                        "return_token_ids": True})
+                choice = answer["choices"][0]
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             ids = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
         except (KeyError, IndexError, TypeError) as err:
             raise EngineError(f"policy server {self.url} answered without token ids and log-probs ({err!r}); it "
                               "must accept `return_token_ids` (vLLM >= 0.10)") from err
@@ -229,11 +240,22 @@ class VLLMEngine:
                               "for one turn: refusing an empty or misaligned generation")
         return Generation(ids, logprobs, ids[-1] == self.eos_token_id)
 
+    def _choose_api(self) -> None:
+        """``auto``: the token endpoint if the server's OpenAPI schema lists it, else the completions endpoint."""
+        if self.api != "auto":
+            return
+        try:
+            paths = self.client.get("/openapi.json").json().get("paths", {})
+        except (httpx.HTTPError, ValueError, AttributeError):
+            paths = {}
+        self.api = "generate" if "/inference/v1/generate" in paths else "completions"
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if not prompts:
             return []
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        self._choose_api()
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             futures = [pool.submit(self._one, prompt, params, _seed(params.seed, i))
                        for i, prompt in enumerate(prompts)]
