@@ -47,6 +47,8 @@ from training.trajectory import TERMINATIONS, Trajectory, Turn
 
 T = TypeVar("T")
 
+RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous mode admits by capacity instead
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -286,12 +288,19 @@ class Rollout:
         result.seconds_in_env += env_seconds
 
     def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
+        """Open and reset every trajectory's instance, up to ``RESET_THREADS`` per server at once (the round trips
+        overlap, and replicas or simulator pools reset in parallel); returns the seconds it took."""
         started = time.perf_counter()
         servers = self._assign(len(trajectories))
-        for i in range(len(trajectories)):
+
+        def reset(i: int) -> None:
             server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
             while not self._reset_one(trajectories, clients, i, server):
                 server = self._assign(1)[0]
+
+        if trajectories:
+            with ThreadPoolExecutor(min(len(trajectories), RESET_THREADS * len(self.urls))) as pool:
+                list(pool.map(reset, range(len(trajectories))))  # the first error (a bad item id) is raised
         return time.perf_counter() - started
 
     def _reset_one(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], i: int,
