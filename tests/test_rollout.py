@@ -108,12 +108,15 @@ def test_async_mode_gives_the_same_trajectories_as_lockstep(env: str, env_server
     assert lengths[0] < lengths[-1], lengths  # experts of different lengths: trajectories end at different turns
     h = lengths[-1] - 1  # the longest experts are cut by the cap, the others finish
     runs = {}
-    for mode in ("lockstep", "async"):
-        config = RolloutConfig(n_samples=2, max_new_tokens=512, context_budget=100_000, mode=mode, async_batch=3)
-        result = Rollout(env, env_server(env), ScriptedEngine(tokenizer, scripts), tokenizer, config).run(items, h=h)
+    for mode in ("lockstep", "async", "async-each"):
+        config = RolloutConfig(n_samples=2, max_new_tokens=512, context_budget=100_000, mode=mode.split("-")[0],
+                               async_batch=3)
+        engine = ScriptedEngine(tokenizer, scripts)
+        engine.concurrent = mode == "async-each"  # each trajectory its own calls, as with a vLLM server
+        result = Rollout(env, env_server(env), engine, tokenizer, config).run(items, h=h)
         runs[mode] = sorted((t.group, t.sample, tuple(t.input_ids), t.termination, t.reward, len(t.turns))
                             for t in result.trajectories)
-    assert runs["async"] == runs["lockstep"]
+    assert runs["async"] == runs["lockstep"] == runs["async-each"]
     assert {r[3] for r in runs["async"]} == {"done", "turn_cap"}
 
 
@@ -130,10 +133,12 @@ def test_async_mode_admits_trajectories_as_instances_free(env_server, tiny_polic
         scripts[key] = replies
     h = max(len(r) for r in scripts.values()) - 1
 
-    def run(url: str, mode: str) -> list[tuple]:
+    def run(url: str, mode: str, concurrent: bool = False) -> list[tuple]:
         config = RolloutConfig(n_samples=2, max_new_tokens=512, context_budget=100_000, mode=mode, async_batch=2,
                                retries=0)
-        result = Rollout("babyai", url, ScriptedEngine(tokenizer, scripts), tokenizer, config).run(items, h=h)
+        engine = ScriptedEngine(tokenizer, scripts)
+        engine.concurrent = concurrent
+        result = Rollout("babyai", url, engine, tokenizer, config).run(items, h=h)
         return sorted((t.group, t.sample, tuple(t.input_ids), t.termination, t.reward, len(t.turns))
                       for t in result.trajectories)
 
@@ -142,6 +147,7 @@ def test_async_mode_admits_trajectories_as_instances_free(env_server, tiny_polic
         assert sum(r[3] == "env_error" for r in run(small, "lockstep")) == 24 - 5
         assert _live(small) == 0
         assert run(small, "async") == unbounded
+        assert run(small, "async", concurrent=True) == unbounded  # one thread per trajectory, 5 at a time
         assert _live(small) == 0
 
 

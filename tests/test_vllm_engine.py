@@ -287,6 +287,27 @@ def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_p
     assert left.stdout == "", "a vLLM server outlived the flow"
 
 
+def test_asynchronous_rollouts_give_each_trajectory_its_own_requests(vllm_url, tiny_policy) -> None:
+    """The asynchronous mode with the vllm engine: a thread per trajectory (its next request as soon as its
+    observation is back; the server batches them), admitted as instances free on a server that holds 3 of 8."""
+    from envs.launcher import running_server
+    from envs.splits import load_split
+    from training.rollout import Rollout, RolloutConfig
+
+    _, tokenizer = tiny_policy
+    engine = VLLMEngine(vllm_url, tokenizer.eos_token_id)
+    items = [r["item_id"] for r in load_split("babyai", "train")[:4]]
+    config = RolloutConfig(n_samples=2, max_new_tokens=16, mode="async", retries=0, seed=2)
+    with running_server("babyai", max_instances=3) as url:
+        rollout = Rollout("babyai", url, engine, tokenizer, config)
+        result = rollout.run(items, h=3)
+        assert httpx.get(f"{url}/health").json()["instances"] == 0
+    assert engine.concurrent and len(result.trajectories) == 8 and all(t.valid for t in result.trajectories)
+    assert all(1 <= len(t.turns) <= 3 and len(t.logprobs) == len(t.input_ids) for t in result.trajectories)
+    assert result.generated_tokens == sum(sum(t.loss_mask) for t in result.trajectories)
+    engine.close()
+
+
 def test_deepspeed_ranks_sample_from_one_server_that_rank_0_keeps_in_sync(vllm_url, env_server, tiny_model_dir,
                                                                          tmp_path) -> None:
     pytest.importorskip("deepspeed")

@@ -9,6 +9,7 @@ cache, batched with left padding, on CPU or GPU. Another sampler would plug in b
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +45,9 @@ class Generation:
 
 
 class PolicyEngine(Protocol):
-    """What the rollout needs from a sampler."""
+    """What the rollout needs from a sampler. An engine with a true ``concurrent`` attribute takes calls from many
+    threads at once and batches them itself (a vLLM server): the asynchronous rollout then gives each trajectory
+    its own calls instead of batching what is ready."""
 
     eos_token_id: int
 
@@ -131,6 +134,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)  # type: ignore[attr-defined]
         self.scripts = scripts
+        self._lock = threading.Lock()  # may be called from several threads (an asynchronous rollout)
 
     def _reply(self, prompt: list[int]) -> str:
         for start, replies in self.scripts.items():
@@ -144,7 +148,8 @@ class ScriptedEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         out = []
         for prompt in prompts:
-            ids = self.tokenizer(self._reply(prompt), add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            with self._lock:
+                ids = self.tokenizer(self._reply(prompt), add_special_tokens=False)["input_ids"]  # type: ignore[operator]
             ids = [*ids[: params.max_new_tokens - 1], self.eos_token_id]
             out.append(Generation(ids, [0.0] * len(ids), True))
         return out

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from training.trajectory import TERMINATIONS, Trajectory, Turn
 T = TypeVar("T")
 
 RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous mode admits by capacity instead
+MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class ChatFormat:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self._lock = threading.Lock()  # a fast tokenizer is not to be called from two threads at once
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -123,7 +126,12 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The ids a trajectory starts with: the opening messages and the generation prompt."""
@@ -264,7 +272,8 @@ class Rollout:
         env_seconds = 0.0
         try:
             if self.config.mode == "async":  # resets as instances free, inside the asynchronous loop
-                gen_s, env_s, tokens = self._play_async(trajectories, clients, h, step)
+                play = self._play_each if getattr(self.engine, "concurrent", False) else self._play_async
+                gen_s, env_s, tokens = play(trajectories, clients, h, step)
                 result.seconds_generating += gen_s
                 env_seconds += env_s
                 result.generated_tokens += tokens
@@ -343,7 +352,7 @@ class Rollout:
         started = time.perf_counter()
         generations = self.engine.generate([trajectories[i].input_ids for i in chosen], params)
         seconds = time.perf_counter() - started
-        texts = [self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+        texts = [self.chat.decode(g.token_ids) for g in generations]
         for i, g, text in zip(chosen, generations, texts, strict=True):
             trajectories[i].append_assistant(g.token_ids, g.logprobs)
             trajectories[i].messages.append({"role": "assistant", "content": text})
@@ -441,6 +450,61 @@ class Rollout:
         for i in pending:  # cannot happen while a live server has capacity; never leave a trajectory unended
             trajectories[i].finish("env_error", "no environment server had room for it")
         return gen_s, busy_env, tokens
+
+    def _play_each(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
+                   step: int) -> tuple[float, float, int]:
+        """The asynchronous mode with an engine that batches concurrent requests itself (``engine.concurrent``: a
+        vLLM server batches continuously): each trajectory runs on its own thread from its reset to its end, its
+        next generation sent as soon as its observation is back and its step as soon as its reply is sampled, so no
+        trajectory waits for another. At most the servers' capacity run at once (admitted as instances free). Each
+        turn's seed comes from the trajectory and the turn, not from timing. Returns seconds generating and
+        waiting on the environment (summed over the trajectories, so overlapping) and tokens generated."""
+        totals = {"gen": 0.0, "env": 0.0, "tokens": 0}
+        held: Counter[int] = Counter()
+        room = threading.Condition()
+
+        def take_server() -> int:
+            with room:
+                while (server := self._free_server(held)) is None:
+                    room.wait()
+                held[server] += 1
+                return server
+
+        def play(i: int) -> None:
+            t, server = trajectories[i], take_server()
+            try:
+                while not self._reset_one(trajectories, clients, i, server):  # unreachable: another replica
+                    with room:
+                        held[server] -= 1
+                    server = take_server()
+                while t.active:
+                    texts, gen_s, tokens = self._generate(trajectories, [i], step,
+                                                          len(t.turns) * len(trajectories) + i)
+                    started = time.perf_counter()
+                    out = self._step_round([clients[i]], texts, [server])[0]
+                    env_s = time.perf_counter() - started
+                    self._record(t, texts[0], out)
+                    if t.active and len(t.turns) >= h:
+                        t.finish("turn_cap")
+                    with room:
+                        totals["gen"] += gen_s
+                        totals["env"] += env_s
+                        totals["tokens"] += tokens
+            finally:  # the instance goes back at once, for the next trajectory to be admitted
+                client, clients[i] = clients[i], None
+                if client is not None:
+                    with contextlib.suppress(EnvServerError):
+                        client.close()
+                with room:
+                    held[server] -= 1
+                    room.notify_all()
+
+        capacities = self.capacities()
+        bounded = all(c != math.inf for c in capacities) and any(capacities)
+        workers = min(len(trajectories), MAX_TRAJECTORY_THREADS, int(sum(capacities)) if bounded else len(trajectories))
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(play, range(len(trajectories))))  # the first error (a dead engine) is raised
+        return totals["gen"], totals["env"], int(totals["tokens"])
 
     def _step_round(self, clients: list[Any], texts: list[str], servers: list[int]) -> list[StepOutput]:
         """One ``/step_batch`` per server, the servers' shares concurrently; a server whose request fails after

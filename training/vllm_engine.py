@@ -176,6 +176,8 @@ class VLLMEngine:
     ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or log.
     """
 
+    concurrent = True  # the server batches concurrent requests continuously: each trajectory may call on its own
+
     def __init__(self, url: str, eos_token_id: int, model: str = SERVED_NAME, api_key: str | None = None,
                  concurrency: int = 64, timeout_s: float = 600.0, retries: int = 2,
                  api: Literal["auto", "generate", "completions"] = "auto") -> None:
