@@ -396,10 +396,7 @@ class Rollout:
 
             def release(i: int) -> None:  # a finished trajectory gives its instance back now
                 held[trajectories[i].server] -= 1
-                client, clients[i] = clients[i], None
-                if client is not None:
-                    with contextlib.suppress(EnvServerError):
-                        client.close()
+                self._close_one(clients, i)
 
             admit()
             while ready or in_flight:
@@ -491,10 +488,7 @@ class Rollout:
                         totals["env"] += env_s
                         totals["tokens"] += tokens
             finally:  # the instance goes back at once, for the next trajectory to be admitted
-                client, clients[i] = clients[i], None
-                if client is not None:
-                    with contextlib.suppress(EnvServerError):
-                        client.close()
+                self._close_one(clients, i)
                 with room:
                     held[server] -= 1
                     room.notify_all()
@@ -557,12 +551,18 @@ class Rollout:
             return
         t.append_prompt(piece)
 
+    @staticmethod
+    def _close_one(clients: list[BaseEnvClient | None], i: int) -> None:
+        """Close trajectory ``i``'s instance now and forget it (already gone, reaped or with its server, is fine)."""
+        client, clients[i] = clients[i], None
+        if client is not None:
+            with contextlib.suppress(EnvServerError):
+                client.close()
+
     def _close_all(self, clients: list[BaseEnvClient | None]) -> float:
         started = time.perf_counter()
-        for client in clients:
-            if client is not None:
-                with contextlib.suppress(EnvServerError):  # already gone (reaped, or the server died)
-                    client.close()
+        for i in range(len(clients)):
+            self._close_one(clients, i)
         return time.perf_counter() - started
 
 
