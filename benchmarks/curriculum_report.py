@@ -84,6 +84,34 @@ def _signed(v: float) -> str:
     return f"{100 * v:+.1f}"
 
 
+def _phase_table(summary: dict[str, Any]) -> list[str]:
+    """Training trajectories per arm and phase, both seeds together: steps, mean turns, and how they ended."""
+    out = []
+    for arm, seeds in summary.get("curves", {}).items():
+        phases: dict[int, dict[str, float]] = {}
+        for run in seeds:
+            for row in run["rows"]:
+                if row.get("step") is None or row.get("turns") is None:
+                    continue  # a held-out evaluation between phases
+                ended = {k: row.get(k) or 0.0 for k in ("done", "turn_cap", "context_cap")}
+                total = sum(ended.values()) or 1.0
+                agg = phases.setdefault(row["phase"], {"h": row["h"], "steps": 0, "turns": 0.0, "done": 0.0,
+                                                       "turn_cap": 0.0, "context_cap": 0.0})
+                agg["steps"] += 1
+                agg["turns"] += row["turns"]
+                for k, v in ended.items():
+                    agg[k] += v / total
+        for phase, agg in sorted(phases.items()):
+            n = agg["steps"]
+            out.append(f"| {summary['labels'].get(arm, arm)} | {phase} (h={agg['h']}) | {n} | {agg['turns'] / n:.2f} | "
+                       f"{_pct(agg['done'] / n)} | {_pct(agg['turn_cap'] / n)} | {_pct(agg['context_cap'] / n)} |")
+    if not out:
+        return []
+    return ["", "Training trajectories per phase (all seeds' steps together): length and what ended them:", "",
+            "| arm | phase | steps | mean turns | done | cut by the turn cap | cut by the context budget |",
+            "|---|---|---|---|---|---|---|", *out]
+
+
 def markdown(summary: dict[str, Any]) -> str:
     warm = summary["warm"]
     lines = ["# Curriculum study: ScalingInter against fixed turn caps (BabyAI GoTo, tiny policy)", "",
@@ -121,6 +149,7 @@ def markdown(summary: dict[str, Any]) -> str:
             verdict = "significant" if p["ci"][0] > 0 or p["ci"][1] < 0 else "not significant"
             lines.append(f"- {summary['labels'].get(p['a'], p['a'])} - {summary['labels'].get(p['b'], p['b'])}: "
                          f"{_signed(p['diff'])} (95% CI {_signed(p['ci'][0])} to {_signed(p['ci'][1])}; {verdict})")
+    lines += _phase_table(summary)
     ratio = summary["cost_ratio_scaling_vs_fixed_large"]
     if ratio is not None:
         lines += ["", f"Cost: ScalingInter generated {ratio:.2f}x the rollout tokens of the fixed-cap arm at matched "

@@ -58,7 +58,8 @@ def test_each_arm_is_a_dvc_experiment_with_its_figures_and_a_rerun_skips_what_is
 
 def _fake_arm(docs: Path, arm: str, seed: int, per_item: dict[str, int], tokens: float) -> None:
     rows = [{"phase": 0, "step": s, "h": 2, "success": 0.1 * s, "tokens": tokens / 4, "cumulative_tokens": tokens *
-             (s + 1) / 4, "seconds": 1.0} for s in range(4)]
+             (s + 1) / 4, "seconds": 1.0, "turns": 1.5, "done": 3.0, "turn_cap": 1.0, "context_cap": 0.0}
+            for s in range(4)] + [{"phase": 0, "global_step": 4, "success": 0.5, "items": 10}]  # a held-out row
     held = {"success": sum(per_item.values()) / len(per_item), "ci": [0.1, 0.9], "items": len(per_item),
             "turns_mean": 2.0, "termination": {"done": len(per_item)}, "by_expert_turns": {"expert_1_turns": 0.5},
             "per_item": per_item}
@@ -89,6 +90,8 @@ def test_the_summary_pairs_items_and_prices_the_tokens(tmp_path) -> None:
     assert summary["cost_ratio_scaling_vs_fixed_large"] == pytest.approx(0.6)
     text = markdown(summary)
     assert "0.60x the rollout tokens" in text and "+25.0" in text
+    # per phase, both seeds' steps together: length and what ended the trajectories (held-out rows left out)
+    assert "| ScalingInter 2/6/10 | 0 (h=2) | 8 | 1.50 | 75.0% | 25.0% | 0.0% |" in text
 
 
 @pytest.mark.browser
