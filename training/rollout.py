@@ -285,13 +285,10 @@ class Rollout:
                 if not active:
                     break
                 rounds.set_postfix(active=len(active))
-                gen_s, env_s, tokens = self._round(trajectories, clients, active, step, round_idx)
+                gen_s, env_s, tokens = self._round(trajectories, clients, active, step, round_idx, h)
                 result.seconds_generating += gen_s
                 env_seconds += env_s
                 result.generated_tokens += tokens
-            for t in trajectories:
-                if t.active:
-                    t.finish("turn_cap")
         finally:
             env_seconds += self._close_all(clients)
         result.seconds_in_env += env_seconds
@@ -359,13 +356,13 @@ class Rollout:
         return texts, seconds, sum(len(g.token_ids) for g in generations)
 
     def _round(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], active: list[int],
-               step: int, round_idx: int) -> tuple[float, float, int]:
+               step: int, round_idx: int, h: int) -> tuple[float, float, int]:
         texts, gen_s, tokens = self._generate(trajectories, active, step, round_idx)
         t1 = time.perf_counter()
         outputs = self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active])
         env_s = time.perf_counter() - t1
         for i, text, out in zip(active, texts, outputs, strict=True):
-            self._record(trajectories[i], text, out)
+            self._record(trajectories[i], text, out, h)
         return gen_s, env_s, tokens
 
     def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
@@ -436,9 +433,7 @@ class Rollout:
                         continue
                     for i, text, out in zip(batch, texts, future.result(), strict=True):
                         t = trajectories[i]
-                        self._record(t, text, out)
-                        if t.active and len(t.turns) >= h:
-                            t.finish("turn_cap")
+                        self._record(t, text, out, h)
                         if t.active:
                             ready.append(i)
                         else:
@@ -480,9 +475,7 @@ class Rollout:
                     started = time.perf_counter()
                     out = self._step_round([clients[i]], texts, [server])[0]
                     env_s = time.perf_counter() - started
-                    self._record(t, texts[0], out)
-                    if t.active and len(t.turns) >= h:
-                        t.finish("turn_cap")
+                    self._record(t, texts[0], out, h)
                     with room:
                         totals["gen"] += gen_s
                         totals["env"] += env_s
@@ -528,7 +521,8 @@ class Rollout:
                 outputs[position] = out
         return [o for o in outputs if o is not None]
 
-    def _record(self, t: Trajectory, text: str, out: StepOutput) -> None:
+    def _record(self, t: Trajectory, text: str, out: StepOutput, h: int) -> None:
+        """Add a step's outcome to ``t`` and end it by the first budget it meets (the turn cap ``h`` last)."""
         if out.error is not None:
             t.finish("env_error", out.error)
             return
@@ -550,6 +544,8 @@ class Rollout:
             t.finish("time_cap")
             return
         t.append_prompt(piece)
+        if len(t.turns) >= h:
+            t.finish("turn_cap")
 
     @staticmethod
     def _close_one(clients: list[BaseEnvClient | None], i: int) -> None:
