@@ -6,7 +6,10 @@ Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) f
 each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early: tokens/s counts
 the tokens actually generated). The hf engine runs ``generate`` in this process with one batch of all prompts and
 the machine's torch threads; the vllm engine sends them as concurrent requests (one per prompt, each with its own
-seed) to a server started here. ``--repeats`` timed generations per engine, interleaved; medians reported. Then
+seed) to a server started here. ``--repeats`` timed generations per engine, interleaved, each after ``--settle``
+seconds of quiet (the engine timed before it leaves spinning threads behind: torch's OpenMP workers, vLLM's
+engine core and worker, which poll for a second after their last message; on 2 cores a generation that starts
+beside them can fall into a mode of tiny batches several times slower); medians reported. Then
 ``--syncs`` weight syncs are timed both ways: ``sync`` saves a checkpoint folder the server loads in place;
 ``sync_collective`` broadcasts the tensors over a gloo group with the server's worker (NCCL or HCCL on
 accelerators); each is verified by the probe. Prints a JSON line; the figures in the README come from it.
@@ -41,7 +44,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3, help="timed generations per engine (medians reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed generations per engine (medians reported)")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed generation")
     args = parser.parse_args()
 
     model, tokenizer = load_policy(args.model)
@@ -53,9 +57,11 @@ def main() -> None:
                for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     out: dict[str, object] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
+                              "settle_s": args.settle,
                               "torch_threads": torch.get_num_threads()}
 
     def timed(engine: object) -> tuple[int, float]:
+        time.sleep(args.settle)
         started = time.perf_counter()
         tokens = sum(len(g.token_ids) for g in engine.generate(prompts, params))  # type: ignore[attr-defined]
         return tokens, time.perf_counter() - started
