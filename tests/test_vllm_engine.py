@@ -4,6 +4,7 @@ sync verified by the probe, and a phase killed with SIGKILL whose resume serves 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -341,8 +342,10 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
 
     key = "sk-test-0123456789"
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    guarded = PolicyServerConfig(extra_args=["--api-key", key])
+    # this server also runs its model threads on every core (cpu_threads_bind: all; vLLM keeps one core back)
+    guarded = PolicyServerConfig(extra_args=["--api-key", key], cpu_threads_bind="all")
     with running_vllm(tiny_model_dir, guarded, max_model_len=4096 + 64) as url:
+        assert worker_cores() == [sorted(os.sched_getaffinity(0))]
         monkeypatch.setenv("SCALINGINTER_API_KEY", "sk-wrong-key")
         with pytest.raises(EngineError, match="answered 401") as refused:
             run_outside_eval("babyai", url, "policy", tiny_model_dir, "smoke", env_server("babyai"), tmp_path)
@@ -352,6 +355,34 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     written = json.loads((tmp_path / "runs/babyai/eval/outside/policy.json").read_text())
     assert written == json.loads(json.dumps(result)) and written["items"] == 6 and 0 <= written["success"] <= 1
     assert key not in (tmp_path / "runs/babyai/eval/outside/policy.json").read_text()
+
+
+def worker_cores() -> list[list[int]]:
+    """The cores each vLLM worker started by this process runs its threads on (the union over its threads)."""
+    import psutil
+
+    cores = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "Worker" in proc.name():
+                threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+                cores.append(sorted(set().union(*(os.sched_getaffinity(t) for t in threads))))
+    return cores
+
+
+def test_a_cpu_server_runs_its_model_threads_where_policy_server_says() -> None:
+    """cpu_threads_bind reaches the server as VLLM_CPU_OMP_THREADS_BIND (`all`: every core this process may use);
+    a value that is none of the forms is refused naming the setting."""
+    from pydantic import ValidationError
+
+    from training.vllm_engine import server_env
+
+    assert server_env(PolicyServerConfig())["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    assert server_env(PolicyServerConfig(cpu_threads_bind="all"))["VLLM_CPU_OMP_THREADS_BIND"] == every
+    assert server_env(PolicyServerConfig(cpu_threads_bind="0-1|2-3"))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    with pytest.raises(ValidationError, match="cpu_threads_bind"):
+        PolicyServerConfig(cpu_threads_bind="two cores")
 
 
 def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_server, tiny_model_dir,

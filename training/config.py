@@ -325,6 +325,11 @@ class PolicyServerConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of a GPU the server may take (the "
                                           "trainer shares it)")
     cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    cpu_threads_bind: str = Field(
+        "auto", pattern=r"^(auto|all|nobind|[0-9][0-9,\-|]*)$",
+        description="the cores a CPU server's model threads run on (VLLM_CPU_OMP_THREADS_BIND): `auto` (vLLM's: "
+        "one core kept for its scheduler and API server), `all` (every core this process may use: on a small "
+        "machine faster for a real model, slower for the tiny one), `nobind`, or a CPU list such as `0-3`")
     startup_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
     weight_transfer: Literal["disk", "collective"] = Field(

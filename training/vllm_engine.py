@@ -98,6 +98,21 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
     return cmd + list(config.extra_args)
 
 
+def server_env(config: PolicyServerConfig, lora: bool = False) -> dict[str, str]:
+    """The environment of a vLLM server: this process's, with the dev-mode endpoints the weight sync calls, no
+    usage reports, and the CPU settings of ``config`` (its KV cache unless the environment sets one; the cores its
+    model threads run on, as ``cpu_threads_bind`` says: ``all`` is every core this process may use)."""
+    bind = config.cpu_threads_bind
+    if bind == "all":
+        bind = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # the weight-reload and cache endpoints
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT),
+           "VLLM_CPU_OMP_THREADS_BIND": bind,
+           **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {})}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    return env
+
+
 def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
                lora_rank: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
@@ -108,10 +123,7 @@ def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
                           "(`scalinginter build-model`, or `dvc repro build_model`)")
     port = free_port()
     cmd = server_command(Path(model_dir), port, config, max_model_len, lora_rank)
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # the weight-reload and cache endpoints
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT),
-           **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_rank is not None else {})}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    env = server_env(config, lora=lora_rank is not None)
     log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log_path = log.name  # type: ignore[attr-defined]
