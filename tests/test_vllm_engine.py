@@ -344,8 +344,10 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     # this server also runs its model threads on every core (cpu_threads_bind: all; vLLM keeps one core back)
     guarded = PolicyServerConfig(extra_args=["--api-key", key], cpu_threads_bind="all")
+    others = set(vllm_workers())  # the module's shared server, when this process started it
     with running_vllm(tiny_model_dir, guarded, max_model_len=4096 + 64) as url:
-        assert worker_cores() == [sorted(os.sched_getaffinity(0))]
+        assert [cores for pid, cores in vllm_workers().items() if pid not in others] == [
+            sorted(os.sched_getaffinity(0))]
         monkeypatch.setenv("SCALINGINTER_API_KEY", "sk-wrong-key")
         with pytest.raises(EngineError, match="answered 401") as refused:
             run_outside_eval("babyai", url, "policy", tiny_model_dir, "smoke", env_server("babyai"), tmp_path)
@@ -357,16 +359,16 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     assert key not in (tmp_path / "runs/babyai/eval/outside/policy.json").read_text()
 
 
-def worker_cores() -> list[list[int]]:
-    """The cores each vLLM worker started by this process runs its threads on (the union over its threads)."""
+def vllm_workers() -> dict[int, list[int]]:
+    """The vLLM workers this process started, each with the cores its threads run on (the union over them)."""
     import psutil
 
-    cores = []
+    cores = {}
     for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             if "Worker" in proc.name():
                 threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
-                cores.append(sorted(set().union(*(os.sched_getaffinity(t) for t in threads))))
+                cores[proc.pid] = sorted(set().union(*(os.sched_getaffinity(t) for t in threads)))
     return cores
 
 
