@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--async-batch", type=int, default=None,
                         help="--engine vllm: generations per engine call in the asynchronous mode (default a quarter "
                              "of the trajectories; 0: all that are ready)")
+    parser.add_argument("--cpu-executor", default="uni", choices=["uni", "mp"],
+                        help="--engine vllm: policy_server.cpu_executor of the server")
     args = parser.parse_args()
     if args.engine == "vllm":
         if args.async_batch is None:
@@ -134,7 +136,8 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     budget, new_tokens = 4096, 24
     per_s: dict[str, list[float]] = {"lockstep": [], "async": []}
-    with running_vllm(model_dir, PolicyServerConfig(), max_model_len=budget + new_tokens) as policy_url, \
+    server = PolicyServerConfig(cpu_executor=args.cpu_executor)
+    with running_vllm(model_dir, server, max_model_len=budget + new_tokens) as policy_url, \
             running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
         engine = VLLMEngine(policy_url, tokenizer.eos_token_id)
         # warm-up: every simulator started (SciWorld launches a JVM per instance on its first reset) and warm
@@ -154,7 +157,8 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
                                   "turns": sum(len(t.turns) for t in result.trajectories),
                                   "trajectories_per_s": round(per_s[mode][-1], 3)}), flush=True)
     best = {mode: max(rates) for mode, rates in per_s.items()}
-    print(json.dumps({"engine": "vllm", "env": args.env, "h": args.h, "async_batch": args.async_batch,
+    print(json.dumps({"engine": "vllm", "cpu_executor": args.cpu_executor, "env": args.env, "h": args.h,
+                      "async_batch": args.async_batch,
                       "speedup_async_vs_lockstep": round(best["async"] / best["lockstep"], 2)}), flush=True)
 
 

@@ -1,7 +1,7 @@
 """The vllm engine against the hf engine: generation tokens/s on the same prompts, and weight-sync seconds.
 
     python benchmarks/vllm_engine.py [--model models/tiny] [--prompts 64] [--new-tokens 64] [--syncs 5]
-                                     [--cpu-threads-bind auto|all]
+                                     [--cpu-executor uni|mp] [--cpu-threads-bind auto|all]
 
 Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new tokens
 each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early: tokens/s counts
@@ -46,7 +46,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per engine (medians reported)")
-    parser.add_argument("--cpu-threads-bind", default="auto", help="policy_server.cpu_threads_bind of the server "
+    parser.add_argument("--cpu-executor", default="uni", choices=["uni", "mp"],
+                        help="policy_server.cpu_executor of the server (uni: the model in the engine core; mp: in a "
+                        "worker process)")
+    parser.add_argument("--cpu-threads-bind", default="auto", help="policy_server.cpu_threads_bind of an mp server "
                         "(auto: vLLM keeps a core for its scheduler; all: every core)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed generation")
     args = parser.parse_args()
@@ -60,7 +63,8 @@ def main() -> None:
                for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     out: dict[str, object] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
-                              "settle_s": args.settle, "cpu_threads_bind": args.cpu_threads_bind,
+                              "settle_s": args.settle, "cpu_executor": args.cpu_executor,
+                              "cpu_threads_bind": args.cpu_threads_bind,
                               "torch_threads": torch.get_num_threads()}
 
     def timed(engine: object) -> tuple[int, float]:
@@ -78,7 +82,8 @@ def main() -> None:
     hf.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     budget = max(len(p) for p in prompts) + args.new_tokens
     started = time.perf_counter()
-    with running_vllm(Path(args.model), PolicyServerConfig(cpu_threads_bind=args.cpu_threads_bind),
+    with running_vllm(Path(args.model), PolicyServerConfig(cpu_executor=args.cpu_executor,
+                                                              cpu_threads_bind=args.cpu_threads_bind),
                       max_model_len=budget) as url:
         out["vllm_start_s"] = round(time.perf_counter() - started, 1)
         engine = VLLMEngine(url, tokenizer.eos_token_id)

@@ -342,8 +342,9 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
 
     key = "sk-test-0123456789"
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    # this server also runs its model threads on every core (cpu_threads_bind: all; vLLM keeps one core back)
-    guarded = PolicyServerConfig(extra_args=["--api-key", key], cpu_threads_bind="all")
+    # this server also runs its model in a worker process of its own whose threads run on every core
+    # (cpu_executor: mp, cpu_threads_bind: all; under auto vLLM keeps one core back); the others have no worker
+    guarded = PolicyServerConfig(extra_args=["--api-key", key], cpu_executor="mp", cpu_threads_bind="all")
     others = set(vllm_workers())  # the module's shared server, when this process started it
     with running_vllm(tiny_model_dir, guarded, max_model_len=4096 + 64) as url:
         assert [cores for pid, cores in vllm_workers().items() if pid not in others] == [
@@ -373,18 +374,40 @@ def vllm_workers() -> dict[int, list[int]]:
 
 
 def test_a_cpu_server_runs_its_model_threads_where_policy_server_says() -> None:
-    """cpu_threads_bind reaches the server as VLLM_CPU_OMP_THREADS_BIND (`all`: every core this process may use);
-    a value that is none of the forms is refused naming the setting."""
+    """cpu_executor uni (the default) keeps the model in the engine core (V1 multiprocessing off), mp gives it a
+    worker process; cpu_threads_bind reaches an mp server as VLLM_CPU_OMP_THREADS_BIND (`all`: every core this
+    process may use); a value that is none of the forms, or a binding for a server without a worker, is refused
+    naming the settings."""
     from pydantic import ValidationError
 
     from training.vllm_engine import server_env
 
+    assert server_env(PolicyServerConfig())["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert server_env(PolicyServerConfig(cpu_executor="mp"))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert server_env(PolicyServerConfig())["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    assert server_env(PolicyServerConfig(cpu_threads_bind="all"))["VLLM_CPU_OMP_THREADS_BIND"] == every
-    assert server_env(PolicyServerConfig(cpu_threads_bind="0-1|2-3"))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    mp = {"cpu_executor": "mp"}
+    assert server_env(PolicyServerConfig(**mp, cpu_threads_bind="all"))["VLLM_CPU_OMP_THREADS_BIND"] == every
+    assert server_env(PolicyServerConfig(**mp, cpu_threads_bind="0-1|2-3"))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
     with pytest.raises(ValidationError, match="cpu_threads_bind"):
-        PolicyServerConfig(cpu_threads_bind="two cores")
+        PolicyServerConfig(**mp, cpu_threads_bind="two cores")
+    with pytest.raises(ValidationError, match=r"cpu_threads_bind: all binds .* set cpu_executor: mp"):
+        PolicyServerConfig(cpu_threads_bind="all")
+    with pytest.raises(ValidationError, match="cpu_executor"):
+        PolicyServerConfig(cpu_executor="ray")
+
+
+def test_the_default_cpu_server_runs_its_model_in_the_engine_core(vllm_url) -> None:
+    """The module's server (cpu_executor: uni) has an engine core and no worker process: nothing between them
+    whose queue spins after every step."""
+    import psutil
+
+    port = vllm_url.rsplit(":", 1)[1]
+    server = next(p for p in psutil.Process().children(recursive=True) if "--port" in (line := p.cmdline())
+                  and line[line.index("--port") + 1] == port)
+    names = [child.name() for child in server.children(recursive=True)]
+    assert any("EngineCore" in name for name in names), names
+    assert not any("Worker" in name for name in names), names
 
 
 def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_server, tiny_model_dir,

@@ -100,8 +100,9 @@ def server_command(model_dir: Path, port: int, config: PolicyServerConfig, max_m
 
 def server_env(config: PolicyServerConfig, lora: bool = False) -> dict[str, str]:
     """The environment of a vLLM server: this process's, with the dev-mode endpoints the weight sync calls, no
-    usage reports, and the CPU settings of ``config`` (its KV cache unless the environment sets one; the cores its
-    model threads run on, as ``cpu_threads_bind`` says: ``all`` is every core this process may use)."""
+    usage reports, and the CPU settings of ``config`` (its KV cache unless the environment sets one; on a CPU, with
+    ``cpu_executor: uni``, the model in the engine core's process, else the cores its worker's threads run on, as
+    ``cpu_threads_bind`` says: ``all`` is every core this process may use)."""
     bind = config.cpu_threads_bind
     if bind == "all":
         bind = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -110,6 +111,10 @@ def server_env(config: PolicyServerConfig, lora: bool = False) -> dict[str, str]
            "VLLM_CPU_OMP_THREADS_BIND": bind,
            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {})}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    if resolve_device("auto").type == "cpu":
+        # vLLM's CPU platform starts a worker process unless V1 multiprocessing is off, which (for the API server,
+        # whose engine core is always a process of its own) only keeps the model in the engine core
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.cpu_executor == "uni" else "1"
     return env
 
 
