@@ -334,7 +334,7 @@ class PolicyServerConfig(BaseModel):
     cpu_executor: Literal["uni", "mp"] = Field(
         "uni", description="where a CPU server's model runs: `uni` in its engine core's process (no worker process, "
         "so no shared-memory queue between them, whose readers spin for a second after every message and took a "
-        "core from the environments and the trainer: SciWorld rollouts 2.6-2.8x faster on 2 cores); `mp` in a "
+        "core from the environments and the trainer: lock-step SciWorld rollouts ~2.4x faster on 2 cores); `mp` in a "
         "worker process of its own, vLLM's CPU default, the one `cpu_threads_bind` binds")
     startup_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
