@@ -349,8 +349,8 @@ class PolicyServerConfig(BaseModel):
     def _bind_needs_a_worker(self) -> PolicyServerConfig:
         if self.cpu_executor == "uni" and self.cpu_threads_bind != "auto":
             raise ValueError(f"cpu_threads_bind: {self.cpu_threads_bind} binds the threads of a CPU server's worker "
-                             "process, which only cpu_executor: mp has (uni runs the model in the engine core, on "
-                             "every core this process may use): set cpu_executor: mp, or cpu_threads_bind: auto")
+                             "process, which only cpu_executor: mp has (uni runs the model in the engine core, whose "
+                             "threads vLLM leaves unbound): set cpu_executor: mp, or cpu_threads_bind: auto")
         return self
 
     def max_len(self, context_budget: int, max_new_tokens: int) -> int:
