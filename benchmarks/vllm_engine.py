@@ -8,12 +8,13 @@ each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a tu
 the tokens actually generated). The hf engine runs ``generate`` in this process with one batch of all prompts and
 the machine's torch threads; the vllm engine sends them as concurrent requests (one per prompt, each with its own
 seed) to a server started here. ``--repeats`` timed generations per engine, interleaved, each after ``--settle``
-seconds of quiet (the engine timed before it leaves spinning threads behind: torch's OpenMP workers, vLLM's
-engine core and worker, which poll for a second after their last message; on 2 cores a generation that starts
-beside them can fall into a mode of tiny batches several times slower); medians reported. Then
+seconds of quiet (the engine timed before it leaves spinning threads behind: torch's OpenMP workers and, with
+``--cpu-executor mp``, vLLM's engine core and worker, which poll their queue for a second after their last message;
+on 2 cores a generation that starts beside them can fall into a mode of tiny batches several times slower); medians
+reported. Then
 ``--syncs`` weight syncs are timed both ways: ``sync`` saves a checkpoint folder the server loads in place;
-``sync_collective`` broadcasts the tensors over a gloo group with the server's worker (NCCL or HCCL on
-accelerators); each is verified by the probe. Prints a JSON line; the figures in the README come from it.
+``sync_collective`` broadcasts the tensors over a gloo group with the process that runs the server's model (NCCL
+or HCCL on accelerators); each is verified by the probe. Prints a JSON line; the figures in the README come from it.
 """
 
 from __future__ import annotations
