@@ -173,6 +173,49 @@ def test_token_ids_and_loss_mask_equal_the_chat_templates(env_server, tiny_polic
     assert t.input_ids.count(tokenizer.eos_token_id) == 3 + 2 * len(t.turns) - 1
 
 
+def _long_conversation(turns: int) -> tuple[list[dict[str, str]], list[str]]:
+    """An opening (system, instruction, acknowledgement, first observation), then ``turns`` assistant turns, each
+    followed by its observation; returns the messages before each observation and the observations."""
+    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Go to the ball."},
+                {"role": "assistant", "content": "OK"}, {"role": "user", "content": "You see a wall."}]
+    befores, observations = [], []
+    for k in range(turns):
+        messages = [*messages, {"role": "assistant", "content": f"Thought: step {k}.\nAction: turn left"}]
+        befores.append(messages)
+        observations.append(f"Turn {k}: a red ball {k} steps forward.\n")
+        messages = [*messages, {"role": "user", "content": observations[-1]}]
+    return befores, observations
+
+
+def test_observation_pieces_from_a_bounded_context_equal_the_whole_conversations(tiny_policy) -> None:
+    """Each turn's observation ids come from the opening and the last assistant turn only (a turn's cost does not
+    grow with the history), batched in one tokenizer call, and equal what the whole conversation renders."""
+    tokenizer = tiny_policy[1]
+    chat = ChatFormat(tokenizer)
+    befores, observations = _long_conversation(12)
+    whole = [chat.encode(chat._render_piece(m, o)) for m, o in zip(befores, observations, strict=True)]
+    assert chat.observation_pieces(list(zip(befores, observations, strict=True))) == whole
+    assert [chat.observation_piece(m, o) for m, o in zip(befores, observations, strict=True)] == whole
+    assert chat._bounded  # the tiny template renders a turn the same in any history: the bounded context is kept
+    assert len(chat._bounded_context(befores[-1])) == 3 < len(befores[-1])
+
+
+def test_a_template_that_looks_at_the_history_gets_the_whole_conversation(tiny_policy) -> None:
+    """A chat template that numbers the user turns renders an observation differently without the history: the
+    first check finds it, and every piece, that one included, is the whole conversation's."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_policy[1])
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{%- else %}{{- message['content']", "{%- else %}{{- loop.index|string + ': ' + message['content']")
+    chat = ChatFormat(tokenizer)
+    befores, observations = _long_conversation(8)
+    whole = [chat.encode(chat._render_piece(m, o)) for m, o in zip(befores, observations, strict=True)]
+    assert chat.encode(chat._render_piece(chat._bounded_context(befores[-1]), observations[-1])) != whole[-1]
+    assert [chat.observation_piece(m, o) for m, o in zip(befores, observations, strict=True)] == whole
+    assert not chat._bounded
+
+
 def test_sft_tokenises_an_episode_exactly_as_the_rollout_does(env_server, tiny_policy) -> None:
     """One prompt builder and one turn layout: an expert episode fed to SFT gives the very ids and loss mask of
     the same episode rolled out through the server (so SFT trains on what RL will sample from)."""
@@ -366,7 +409,10 @@ def test_a_phase_started_without_a_url_spreads_over_env_server_replicas(tiny_mod
     from training.config import PhaseSpec, ServerConfig, TrainConfig
     from training.phase import run_phase
 
-    before = {p.pid for p in psutil.process_iter(["cmdline"]) if "envs.server" in " ".join(p.info["cmdline"] or [])}
+    def servers() -> set[int]:  # this process's own (another xdist worker starts servers of its own meanwhile)
+        return {p.pid for p in psutil.Process().children(recursive=True) if "envs.server" in " ".join(p.cmdline())}
+
+    before = servers()
     train = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, mini_batch_size=4, micro_batch_size=4,
                         sub_tasks=["GoTo"])
     spec = PhaseSpec(env="babyai", index=0, h=1, steps=1, init=tiny_model_dir, out=tmp_path / "p", train=train,
@@ -374,5 +420,4 @@ def test_a_phase_started_without_a_url_spreads_over_env_server_replicas(tiny_mod
     run_phase(spec)
     rows = [json.loads(line) for line in (tmp_path / "p" / "rollouts" / "step-000000.jsonl").read_text().splitlines()]
     assert sorted(r["server"] for r in rows) == [0, 0, 1, 1]
-    after = {p.pid for p in psutil.process_iter(["cmdline"]) if "envs.server" in " ".join(p.info["cmdline"] or [])}
-    assert after <= before  # both replicas stopped
+    assert servers() <= before  # both replicas stopped

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import threading
 import time
@@ -47,9 +48,11 @@ from training.engine import PolicyEngine, SamplingParams
 from training.trajectory import TERMINATIONS, Trajectory, Turn
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous mode admits by capacity instead
 MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
+BOUNDED_CONTEXT_CHECKS = 4  # observation pieces checked against the whole conversation's rendering, per ChatFormat
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,12 @@ class ChatFormat:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self._eos_text = tokenizer.convert_ids_to_tokens(self.eos_token_id)
         self._lock = threading.Lock()  # a fast tokenizer is not to be called from two threads at once
+        # observation pieces from a bounded context (see ``observation_piece``); the first few are checked against
+        # the whole conversation, and a template whose rendering depends on the history gets the whole one always
+        self._bounded = True
+        self._checks_left = BOUNDED_CONTEXT_CHECKS
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -126,8 +134,14 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids, in one tokenizer call (a fast tokenizer encodes a batch in parallel)."""
+        if not texts:
+            return []
         with self._lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: list[int]) -> str:
         with self._lock:
@@ -159,13 +173,50 @@ class ChatFormat:
 
     def observation_piece(self, messages: list[dict[str, str]], observation: str) -> list[int]:
         """Ids between the end-of-turn id of the last assistant turn and the next assistant turn's text."""
+        return self.observation_pieces([(messages, observation)])[0]
+
+    def observation_pieces(self, turns: Sequence[tuple[list[dict[str, str]], str]]) -> list[list[int]]:
+        """``observation_piece`` of each (messages, observation), encoded in one tokenizer call.
+
+        Rendered from a bounded context, the conversation's opening up to its first user message and its last
+        assistant turn, so a turn costs the same at turn 30 as at turn 1 (rendering the whole history each turn
+        made a trajectory quadratic in its turns, and was the rollout's largest cost on the client). The first
+        ``BOUNDED_CONTEXT_CHECKS`` pieces are also rendered from the whole conversation; a template whose piece
+        differs (one that looks at positions or earlier turns) is rendered from the whole conversation from then on.
+        """
+        return self.encode_many([self._piece_text(messages, observation) for messages, observation in turns])
+
+    def _piece_text(self, messages: list[dict[str, str]], observation: str) -> str:
+        context = self._bounded_context(messages)
+        piece = self._render_piece(context, observation)
+        if context is messages:
+            return piece
+        with self._lock:
+            check, self._checks_left = self._checks_left > 0, self._checks_left - 1
+        if check:
+            whole = self._render_piece(messages, observation)
+            if whole != piece:
+                self._bounded = False
+                log.warning("the chat template renders an observation differently with the whole history; "
+                            "rendering the whole conversation every turn from now on")
+                return whole
+        return piece
+
+    def _bounded_context(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` cut to its opening (up to its first user message) and its last (assistant) turn."""
+        if not self._bounded or not messages or messages[-1]["role"] != "assistant":
+            return messages
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first_user is None or len(messages) <= first_user + 2:
+            return messages
+        return [*messages[: first_user + 1], messages[-1]]
+
+    def _render_piece(self, messages: list[dict[str, str]], observation: str) -> str:
         before = self.render(messages, generation_prompt=False)
         after = self.render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template re-renders earlier turns differently; cannot extend incrementally")
-        eos_text = self.tokenizer.convert_ids_to_tokens(self.eos_token_id)
-        tail = before[before.rindex(eos_text) + len(eos_text):]  # what the template adds after end-of-turn
-        return self.encode(tail + after[len(before):])
+        return before[before.rindex(self._eos_text) + len(self._eos_text):] + after[len(before):]  # from end-of-turn
 
 
 def opening_messages(conversation_start: tuple[dict[str, Any], dict[str, Any]], first_observation: str,
@@ -361,8 +412,7 @@ class Rollout:
         t1 = time.perf_counter()
         outputs = self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active])
         env_s = time.perf_counter() - t1
-        for i, text, out in zip(active, texts, outputs, strict=True):
-            self._record(trajectories[i], text, out, h)
+        self._record_many([trajectories[i] for i in active], texts, outputs, h)
         return gen_s, env_s, tokens
 
     def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
@@ -431,10 +481,9 @@ class Rollout:
                         else:
                             release(i)
                         continue
-                    for i, text, out in zip(batch, texts, future.result(), strict=True):
-                        t = trajectories[i]
-                        self._record(t, text, out, h)
-                        if t.active:
+                    self._record_many([trajectories[i] for i in batch], texts, future.result(), h)
+                    for i in batch:
+                        if trajectories[i].active:
                             ready.append(i)
                         else:
                             release(i)
@@ -521,8 +570,17 @@ class Rollout:
                 outputs[position] = out
         return [o for o in outputs if o is not None]
 
-    def _record(self, t: Trajectory, text: str, out: StepOutput, h: int) -> None:
-        """Add a step's outcome to ``t`` and end it by the first budget it meets (the turn cap ``h`` last)."""
+    def _record_many(self, ts: Sequence[Trajectory], texts: Sequence[str], outs: Sequence[StepOutput], h: int) -> None:
+        """``_record`` of each step, the observations that continue a trajectory tokenised in one call."""
+        going = [k for k, out in enumerate(outs) if out.error is None and not out.done]
+        pieces = dict(zip(going, self.chat.observation_pieces([(ts[k].messages, outs[k].observation) for k in going]),
+                          strict=True))
+        for k, (t, text, out) in enumerate(zip(ts, texts, outs, strict=True)):
+            self._record(t, text, out, h, pieces.get(k))
+
+    def _record(self, t: Trajectory, text: str, out: StepOutput, h: int, piece: list[int] | None = None) -> None:
+        """Add a step's outcome to ``t`` and end it by the first budget it meets (the turn cap ``h`` last);
+        ``piece``: the observation's ids, when already tokenised."""
         if out.error is not None:
             t.finish("env_error", out.error)
             return
@@ -531,7 +589,8 @@ class Rollout:
         if out.done:
             t.finish("done")
             return
-        piece = self.chat.observation_piece(t.messages, out.observation)
+        if piece is None:
+            piece = self.chat.observation_piece(t.messages, out.observation)
         t.messages.append({"role": "user", "content": out.observation})
         cfg = self.config
         if len(t.input_ids) + len(piece) + cfg.max_new_tokens > cfg.context_budget:
@@ -556,8 +615,13 @@ class Rollout:
                 client.close()
 
     def _close_all(self, clients: list[BaseEnvClient | None]) -> float:
+        """Close every instance still open, ``RESET_THREADS`` per server at once; returns the seconds it took."""
         started = time.perf_counter()
-        for i in range(len(clients)):
+        open_ = [i for i, client in enumerate(clients) if client is not None]
+        if len(open_) > 1:
+            with ThreadPoolExecutor(min(len(open_), RESET_THREADS * len(self.urls))) as pool:
+                list(pool.map(lambda i: self._close_one(clients, i), open_))
+        for i in open_:  # (a close cut short by an interrupt is tried once more here)
             self._close_one(clients, i)
         return time.perf_counter() - started
 
