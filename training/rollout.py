@@ -524,7 +524,7 @@ class Rollout:
                     started = time.perf_counter()
                     out = self._step_round([clients[i]], texts, [server])[0]
                     env_s = time.perf_counter() - started
-                    self._record(t, texts[0], out, h)
+                    self._record_many([t], texts, [out], h)
                     with room:
                         totals["gen"] += gen_s
                         totals["env"] += env_s
@@ -578,9 +578,9 @@ class Rollout:
         for k, (t, text, out) in enumerate(zip(ts, texts, outs, strict=True)):
             self._record(t, text, out, h, pieces.get(k))
 
-    def _record(self, t: Trajectory, text: str, out: StepOutput, h: int, piece: list[int] | None = None) -> None:
+    def _record(self, t: Trajectory, text: str, out: StepOutput, h: int, piece: list[int] | None) -> None:
         """Add a step's outcome to ``t`` and end it by the first budget it meets (the turn cap ``h`` last);
-        ``piece``: the observation's ids, when already tokenised."""
+        ``piece``: the observation's ids (None only for a step that ended it: an error or done)."""
         if out.error is not None:
             t.finish("env_error", out.error)
             return
@@ -589,8 +589,7 @@ class Rollout:
         if out.done:
             t.finish("done")
             return
-        if piece is None:
-            piece = self.chat.observation_piece(t.messages, out.observation)
+        assert piece is not None, "a step that continues its trajectory comes with its observation's ids"
         t.messages.append({"role": "user", "content": out.observation})
         cfg = self.config
         if len(t.input_ids) + len(piece) + cfg.max_new_tokens > cfg.context_budget:
