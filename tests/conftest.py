@@ -29,7 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The end-to-end files, longest first (measured, `make test` --durations): run first, the two xdist workers
 # each start on one and the short tests fill in around them, instead of one long test starting last.
-LONGEST_FIRST = ("test_flow", "test_pipeline", "test_deployment", "test_openworld_flow", "test_remote",
+LONGEST_FIRST = ("test_flow", "test_pipeline", "test_deployment", "test_warm", "test_openworld_flow", "test_remote",
                  "test_trainer", "test_strategy", "test_sciworld")
 
 
