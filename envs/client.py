@@ -4,8 +4,10 @@ One client object is one environment instance on a server (``POST /create`` in t
 client carries its environment's instruction prompt (``conversation_start``, AgentGym's format) and
 parses ReAct replies locally: a malformed reply yields the explanatory observation without a server
 call. Server errors are raised as :class:`EnvServerError` with the server's message, never turned
-into a zero reward. Reuse one ``httpx.Client`` across many instances (pass ``http=``), and step a
-whole rollout round in one request with :func:`step_many` / :func:`astep_many`.
+into a zero reward. Reuse one ``httpx.Client`` across many instances (pass ``http=``), open and reset a
+whole rollout's instances in one request with :func:`open_many` / :func:`aopen_many`, step a whole round in
+one with :func:`step_many` / :func:`astep_many`, and close them in one with :func:`close_many` /
+:func:`aclose_many`.
 
     client = BabyAIClient("http://127.0.0.1:8000")
     first = client.reset(3)
@@ -185,11 +187,15 @@ class BaseEnvClient(ClientLogic):
         self._owns_http = http is None
         self.id = int(self._post("/create", {})["id"])
 
+    @classmethod
+    def attach(cls, http: httpx.Client, instance_id: int) -> BaseEnvClient:
+        """A client for an instance that already exists on ``http``'s server (opened by :func:`open_many`)."""
+        self = cls.__new__(cls)
+        self.http, self._owns_http, self.id = http, False, instance_id
+        return self
+
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        try:
-            return _check(self.http.post(path, json=body))
-        except httpx.TransportError as err:
-            raise _transport_error("POST", path, self.http.base_url, err) from err
+        return _post_json(self.http, path, body)
 
     def _get(self, path: str) -> Any:
         try:
@@ -249,11 +255,15 @@ class AsyncBaseEnvClient(ClientLogic):
         self.id = int((await self._post("/create", {}))["id"])
         return self
 
+    @classmethod
+    def attach(cls, http: httpx.AsyncClient, instance_id: int) -> AsyncBaseEnvClient:
+        """:meth:`BaseEnvClient.attach` for asyncio."""
+        self = cls()
+        self.http, self._owns_http, self.id = http, False, instance_id
+        return self
+
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        try:
-            return _check(await self.http.post(path, json=body))
-        except httpx.TransportError as err:
-            raise _transport_error("POST", path, self.http.base_url, err) from err
+        return await _apost_json(self.http, path, body)
 
     async def _get(self, path: str) -> Any:
         try:
@@ -346,3 +356,92 @@ async def astep_many(
         except EnvServerError as err:
             results, errors = _partial(err, partial)
     return _batch_outputs(clients, prepared, results, errors)
+
+
+#: What :func:`open_many` gives for each item: the instance's client and its first observation, or the error that
+#: kept that one instance from opening (``retryable`` when the server was full).
+Opened = tuple[ClientLogic, StepOutput] | EnvServerError
+
+
+def _post_json(http: httpx.Client, path: str, body: dict[str, Any]) -> Any:
+    try:
+        return _check(http.post(path, json=body))
+    except httpx.TransportError as err:
+        raise _transport_error("POST", path, http.base_url, err) from err
+
+
+async def _apost_json(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
+    try:
+        return _check(await http.post(path, json=body))
+    except httpx.TransportError as err:
+        raise _transport_error("POST", path, http.base_url, err) from err
+
+
+def _opened_payload(err: EnvServerError) -> tuple[list[dict | None], dict[str, Any]]:
+    if not isinstance(err.payload, dict) or not isinstance(err.payload.get("results"), list):
+        raise err  # the request as a whole failed (unreachable, bad data_idx, no such endpoint): nothing was opened
+    return err.payload["results"], err.payload.get("errors") or {}
+
+
+def _opened(cls: Any, http: Any, results: list[dict | None], errors: dict[str, Any]) -> list[Opened]:
+    out: list[Opened] = []
+    for pos, payload in enumerate(results):
+        if payload is None:
+            error = errors.get(str(pos)) or {}
+            out.append(EnvServerError(f"POST /create_batch item {pos} -> HTTP {error.get('status')}: "
+                                      f"{error.get('detail', 'environment error')}", error.get("status")))
+            continue
+        client = cls.attach(http, int(payload["id"]))
+        out.append((client, client._output(payload, client.format_reset(payload))))
+    return out
+
+
+def open_many(cls: type[BaseEnvClient], http: httpx.Client, data_idxs: Sequence[int]) -> list[Opened]:
+    """Open and reset one instance of ``cls``'s environment per ``data_idx`` in one ``POST /create_batch``.
+
+    Each item succeeds or fails on its own (see :data:`Opened`). Raises :class:`EnvServerError` when the request as
+    a whole failed: the server is unreachable, a ``data_idx`` is out of range (422, nothing opened), or the server
+    has no such endpoint (404/405, an AgentGym server: open them one by one with ``cls(url)`` then).
+    """
+    try:
+        payload = _post_json(http, "/create_batch", {"data_idx": list(data_idxs)})
+        results, errors = payload["results"], {}
+    except EnvServerError as err:
+        results, errors = _opened_payload(err)
+    return _opened(cls, http, results, errors)
+
+
+async def aopen_many(cls: type[AsyncBaseEnvClient], http: httpx.AsyncClient, data_idxs: Sequence[int]
+                     ) -> list[Opened]:
+    """Async form of :func:`open_many`."""
+    try:
+        payload = await _apost_json(http, "/create_batch", {"data_idx": list(data_idxs)})
+        results, errors = payload["results"], {}
+    except EnvServerError as err:
+        results, errors = _opened_payload(err)
+    return _opened(cls, http, results, errors)
+
+
+def close_many(clients: Sequence[BaseEnvClient]) -> list[int]:
+    """Close instances of one server in one ``POST /close_batch``; returns the ids that were already gone (closed
+    or reaped). A client that owns its HTTP session closes it too."""
+    if not clients:
+        return []
+    try:
+        return list(_post_json(clients[0].http, "/close_batch", {"ids": [c.id for c in clients]})["missing"])
+    finally:
+        for c in clients:
+            if c._owns_http:
+                c.http.close()
+
+
+async def aclose_many(clients: Sequence[AsyncBaseEnvClient]) -> list[int]:
+    """Async form of :func:`close_many`."""
+    if not clients:
+        return []
+    try:
+        return list((await _apost_json(clients[0].http, "/close_batch", {"ids": [c.id for c in clients]}))["missing"])
+    finally:
+        for c in clients:
+            if c._owns_http:
+                await c.http.aclose()

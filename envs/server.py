@@ -2,8 +2,10 @@
 
 Endpoints (AgentGym's names and fields, so existing clients work unchanged):
 ``POST /create``, ``POST /reset {id, data_idx}``, ``POST /step {id, action}``, ``GET /observation?id=``,
-``POST /close {id}``; plus ``GET /available_actions?id=``, ``GET /health`` and ``POST /step_batch
-{steps: [{id, action}, ...]}`` which steps a whole rollout round in one request.
+``POST /close {id}``; plus ``GET /available_actions?id=``, ``GET /health``, ``POST /step_batch
+{steps: [{id, action}, ...]}`` which steps a whole rollout round in one request, ``POST /create_batch
+{data_idx: [...]}`` which opens and resets a whole rollout's instances in one, and ``POST /close_batch {ids:
+[...]}`` which closes them.
 
 Errors are real statuses with ``{"detail": "<what is wrong>"}``: unknown id 404, malformed body 422,
 data_idx out of range 422, stepping a finished episode 409, instance limit 429, a full simulator pool
@@ -21,9 +23,9 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,11 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
 from envs.client import TOKEN_ENV_VAR
-from envs.instances import InstanceTable, NotResetError, Slot
+from envs.instances import InstanceTable, NotResetError, Slot, UnknownInstanceError
 
 log = logging.getLogger(__name__)
 
 MAX_ACTION_BYTES = 1 << 20
+T = TypeVar("T")
 InstanceId = Annotated[int, Field(strict=True, ge=0, validation_alias=AliasChoices("id", "env_idx"))]
 
 
@@ -78,6 +81,14 @@ class BatchBody(_Body):
     steps: list[StepBody] = Field(min_length=1)
 
 
+class CreateBatchBody(_Body):
+    data_idx: list[Annotated[int, Field(strict=True)]] = Field(min_length=1)
+
+
+class CloseBatchBody(_Body):
+    ids: list[Annotated[int, Field(strict=True, ge=0)]] = Field(min_length=1)
+
+
 def _check_action(action: str) -> None:
     if len(action) > MAX_ACTION_BYTES // 4 and len(action.encode()) > MAX_ACTION_BYTES:
         raise ActionTooLargeError(f"action is {len(action.encode())} bytes; the limit is {MAX_ACTION_BYTES} bytes")
@@ -93,28 +104,39 @@ def _step(slot: Slot, idx: int, action: str) -> StepResult:
     return result
 
 
-#: threads a parallel ``/step_batch`` steps its instances on
+#: threads a parallel ``/step_batch`` (or ``/create_batch``) works its instances on
 STEP_THREADS = 16
+
+
+def _each(fn: Callable[[T], dict], items: Sequence[T], parallel: bool = False
+          ) -> tuple[list[dict | None], dict[int, Exception]]:
+    """``fn`` on every item (at the same time when ``parallel``); an item whose call raises gets None and its error
+    (by position), the rest go on. Results keep the items' order."""
+    errors: dict[int, Exception] = {}
+
+    def one(pos: int) -> dict | None:
+        try:
+            return fn(items[pos])
+        except Exception as exc:  # one crashed simulator must not lose the others' work
+            errors[pos] = exc
+            return None
+
+    if parallel and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=min(len(items), STEP_THREADS), thread_name_prefix="batch") as pool:
+            return list(pool.map(one, range(len(items)))), errors
+    return [one(pos) for pos in range(len(items))], errors
 
 
 def _step_all(slots: dict[int, Slot], steps: list[StepBody], parallel: bool = False
               ) -> tuple[list[dict | None], dict[int, str]]:
     """Step every instance (at the same time when ``parallel``); an instance whose simulator raises gets None and
     an error, the rest go on. Results keep the request's order."""
-    errors: dict[int, str] = {}
-
-    def one(s: StepBody) -> dict | None:
-        try:
-            return {"id": s.id, **_step(slots[s.id], s.id, s.action).to_wire()}
-        except Exception as exc:  # one crashed simulator must not lose the others' steps
-            log.exception("instance %d failed to step", s.id)
-            errors[s.id] = f"{type(exc).__name__}: {exc}"
-            return None
-
-    if parallel and len(steps) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(steps), STEP_THREADS), thread_name_prefix="step") as pool:
-            return list(pool.map(one, steps)), errors
-    return [one(s) for s in steps], errors
+    results, failed = _each(lambda s: {"id": s.id, **_step(slots[s.id], s.id, s.action).to_wire()}, steps, parallel)
+    errors = {}
+    for pos, exc in failed.items():
+        log.error("instance %d failed to step", steps[pos].id, exc_info=exc)
+        errors[steps[pos].id] = f"{type(exc).__name__}: {exc}"
+    return results, errors
 
 
 def _on_loop(handler: Any) -> Any:
@@ -330,9 +352,58 @@ def create_app(
             return JSONResponse({"detail": detail, "results": results, "errors": errors}, 500)
         return JSONResponse({"results": results})
 
+    def open_one(data_idx: int) -> dict[str, Any]:
+        idx = table.create()
+        try:
+            with table.use(idx) as slot:
+                result = slot.env.reset(data_idx)
+                slot.reset, slot.done = True, result.done
+        except Exception:
+            with contextlib.suppress(UnknownInstanceError):
+                table.close(idx)  # a reset that failed leaves no instance behind
+            raise
+        return {"id": idx, **result.to_wire()}
+
+    def create_batch(body: CreateBatchBody) -> JSONResponse:
+        """Open and reset one instance per ``data_idx``; each item's outcome is its own (one that found the server
+        full, or whose simulator failed, does not undo the others)."""
+        for data_idx in body.data_idx:
+            backend.check_index(data_idx)  # a bad index is the caller's mistake: 422, and nothing is created
+        results, failed = _each(open_one, body.data_idx, parallel=backend.parallel_steps)
+        if not failed:
+            return JSONResponse({"results": results})
+        errors = {str(pos): {"status": exc.status_code if isinstance(exc, EnvError) else 500,
+                             "detail": f"{type(exc).__name__}: {exc}"} for pos, exc in sorted(failed.items())}
+        statuses = {e["status"] for e in errors.values()}
+        status = statuses.pop() if len(statuses) == 1 else 500  # 429 or 503 when the server was full, so retry
+        for pos, exc in failed.items():
+            if not isinstance(exc, EnvError):
+                log.error("data_idx %d failed to reset", body.data_idx[pos], exc_info=exc)
+        detail = (f"{backend.name}: {len(failed)} of {len(body.data_idx)} instance(s) could not be opened; "
+                  + "; ".join(f"item {pos}: {e['detail']}" for pos, e in errors.items()))
+        return JSONResponse({"detail": detail, "results": results, "errors": errors}, status)
+
+    def close_batch(body: CloseBatchBody) -> JSONResponse:
+        """Close every id given; ids already gone (closed, reaped) are listed as ``missing``, not an error."""
+        closed, missing, errors = [], [], {}
+        for idx in dict.fromkeys(body.ids):
+            try:
+                table.close(idx)
+                closed.append(idx)
+            except UnknownInstanceError:
+                missing.append(idx)
+            except Exception as exc:  # the instance is gone from the table either way; its simulator misbehaved
+                log.exception("instance %d failed to close", idx)
+                errors[str(idx)] = f"{type(exc).__name__}: {exc}"
+        if errors:
+            return JSONResponse({"detail": f"{backend.name}: instance(s) {sorted(errors)} failed to close",
+                                 "closed": closed, "missing": missing, "errors": errors}, 500)
+        return JSONResponse({"closed": closed, "missing": missing})
+
     # Steps of fast backends (well under a millisecond) run on the event loop: a worker-thread hop costs
     # more than the step. Slow ones (a JVM, a browser) run in the thread pool so the loop stays free.
-    for path, handler in (("/step", step_one), ("/step_batch", step_batch)):
+    for path, handler in (("/step", step_one), ("/step_batch", step_batch), ("/create_batch", create_batch),
+                          ("/close_batch", close_batch)):
         if backend.fast_steps:
             app.post(path)(_on_loop(handler))
         else:

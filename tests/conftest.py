@@ -43,6 +43,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: within a rank, the collection order
 
 
+@contextlib.contextmanager
+def serving(app: object) -> Iterator[str]:
+    """A FastAPI app served by uvicorn on a free localhost port in a thread of this process (a server whose
+    routes or backend a test changed); yields its base URL and always stops it."""
+    import threading
+
+    import uvicorn
+
+    from envs.launcher import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        thread.join(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 @pytest.fixture(scope="session")
 def env_server() -> Iterator[Callable[[str], str]]:
     """``env_server("babyai")`` -> base URL of a session-wide server for that environment."""

@@ -154,12 +154,9 @@ def test_our_environment_reads_a_search_r1_retriever() -> None:
     """A retriever written to Search-R1's protocol (its retrieval_server: ``{queries, topk, return_scores}`` ->
     ``{result: [[{id, contents}]]}``, ``contents`` the quoted title then the text) serves our environment: the
     agent sees the documents in the ``<information>`` format (it used to be a KeyError, reported as 502)."""
-    import threading
-
-    import uvicorn
     from fastapi import FastAPI
 
-    from envs.launcher import free_port
+    from tests.conftest import serving
 
     corpus = [{"id": "0", "contents": '"Ada Lovelace"\nAda Lovelace wrote the first program.'},
               {"id": "1", "contents": '"Charles Babbage"\nBabbage designed the Analytical Engine.'}]
@@ -172,23 +169,13 @@ def test_our_environment_reads_a_search_r1_retriever() -> None:
                 else docs for _ in request.queries]
         return {"result": rows}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        thread.join(0.05)
-    try:
-        with running_server("deepsearch", retriever_url=f"http://127.0.0.1:{port}") as url:
-            client = Client(url)
-            client.reset(0)
-            seen = client.step("<search>who wrote the first program</search>").observation
-            assert seen.startswith("<information>Doc 1(Title: Ada Lovelace) Ada Lovelace wrote the first program.")
-            assert "Doc 2(Title: Charles Babbage) Babbage designed" in seen
-            client.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(app) as retriever, running_server("deepsearch", retriever_url=retriever) as url:
+        client = Client(url)
+        client.reset(0)
+        seen = client.step("<search>who wrote the first program</search>").observation
+        assert seen.startswith("<information>Doc 1(Title: Ada Lovelace) Ada Lovelace wrote the first program.")
+        assert "Doc 2(Title: Charles Babbage) Babbage designed" in seen
+        client.close()
 
 
 def test_a_search_r1_client_reads_our_retriever() -> None:

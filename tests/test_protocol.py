@@ -277,3 +277,90 @@ def test_a_parallel_batch_steps_its_instances_at_the_same_time() -> None:
     results, errors = _step_all(slots, steps, parallel=True)
     assert [r and r["id"] for r in results] == [7, 3, None, 5]
     assert results[1]["observation"] == "instance 3: look" and errors == {9: "RuntimeError: instance 9 crashed"}
+
+
+def test_create_batch_opens_what_create_and_reset_open_and_close_batch_closes_them(env: str, http: httpx.Client
+                                                                                    ) -> None:
+    live = http.get("/health").json()["instances"]
+    single = {}
+    for data_idx in (1, 2):
+        idx = _new(http, data_idx)
+        single[data_idx] = http.get("/observation", params={"id": idx}).json()["observation"]
+        http.post("/close", json={"id": idx})
+    opened = http.post("/create_batch", json={"data_idx": [2, 1]})
+    assert opened.status_code == 200, opened.text
+    results = opened.json()["results"]
+    # (a SciWorld room lists its contents in an order that can differ between JVMs: compare what it lists)
+    assert [sorted(r["observation"].splitlines()) for r in results] == [sorted(single[i].splitlines()) for i in (2, 1)]
+    assert FIELDS[env] - {"deleted", "id"} <= set(results[0]) and len({r["id"] for r in results}) == 2
+    assert http.get("/health").json()["instances"] == live + 2
+    ids = [r["id"] for r in results]
+    stepped = http.post("/step", json={"id": ids[0], "action": "turn left" if env == "babyai" else "inventory"})
+    assert stepped.status_code == 200  # opened instances are reset: they take steps
+    bad = http.post("/create_batch", json={"data_idx": [1, OUT_OF_RANGE[env]]})
+    assert bad.status_code == 422 and "out of range" in bad.json()["detail"]
+    assert http.get("/health").json()["instances"] == live + 2  # nothing of a refused request was opened
+    closed = http.post("/close_batch", json={"ids": [*ids, 10**9]})
+    assert closed.status_code == 200 and closed.json() == {"closed": ids, "missing": [10**9]}
+    assert http.get("/health").json()["instances"] == live
+    assert http.post("/step", json={"id": ids[0], "action": "x"}).status_code == 404
+    for body in ({}, {"data_idx": []}, {"data_idx": ["1"]}, {"data_idx": 1}):
+        assert http.post("/create_batch", json=body).status_code == 422, body
+    assert http.post("/close_batch", json={"ids": [-1]}).status_code == 422
+
+
+def test_create_batch_over_the_limit_opens_what_fits_and_leaks_nothing() -> None:
+    from envs.client import close_many, open_many
+
+    with running_server("babyai", max_instances=3) as url, httpx.Client(base_url=url) as http:
+        full = http.post("/create_batch", json={"data_idx": [0, 1, 2, 3, 4]})
+        assert full.status_code == 429  # every failed item found the server full: retry later
+        body = full.json()
+        assert [r is None for r in body["results"]] == [False, False, False, True, True]
+        assert set(body["errors"]) == {"3", "4"} and body["errors"]["3"]["status"] == 429
+        assert "instance limit" in body["detail"] and http.get("/health").json()["instances"] == 3
+        http.post("/close_batch", json={"ids": [r["id"] for r in body["results"] if r]})
+
+        opened = open_many(client_class("babyai"), http, [5, 6, 7, 8])
+        errors = [o for o in opened if isinstance(o, EnvServerError)]
+        assert len(errors) == 1 and errors[0].retryable and errors[0].status_code == 429
+        clients = [o[0] for o in opened if not isinstance(o, EnvServerError)]
+        assert clients[0].step("Action: turn left").observation  # an attached client steps its instance
+        assert close_many(clients) == [] and http.get("/health").json()["instances"] == 0
+        assert close_many(clients) == [c.id for c in clients]  # already gone: listed, not an error
+        with client_class("babyai")(url, http=http) as one:
+            assert one.reset(5).observation == opened[0][1].observation  # as the client formats a reset
+
+
+def test_a_reset_that_fails_in_create_batch_leaves_no_instance_behind() -> None:
+    """One item's simulator fails to reset: that item is a 500 with its message, the others are opened, and the
+    failed one's instance is not left behind."""
+    from envs.registry import load_backend
+    from envs.server import create_app
+    from tests.conftest import serving
+
+    backend = load_backend("babyai")
+    make = backend.new_instance
+
+    def new_instance():
+        env = make()
+        reset = env.reset
+
+        def failing(data_idx: int):
+            if data_idx == 13:
+                raise RuntimeError("simulator crashed on 13")
+            return reset(data_idx)
+
+        env.reset = failing
+        return env
+
+    backend.new_instance = new_instance
+    with serving(create_app(backend)) as url, httpx.Client(base_url=url) as http:
+        response = http.post("/create_batch", json={"data_idx": [12, 13, 14]})
+        assert response.status_code == 500
+        body = response.json()
+        assert body["errors"] == {"1": {"status": 500, "detail": "RuntimeError: simulator crashed on 13"}}
+        assert body["results"][1] is None and all(body["results"][i] for i in (0, 2))
+        assert http.get("/health").json()["instances"] == 2
+        assert http.post("/close_batch", json={"ids": [body["results"][i]["id"] for i in (0, 2)]}).status_code == 200
+        assert http.get("/health").json()["instances"] == 0

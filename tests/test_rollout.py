@@ -369,6 +369,40 @@ class _TurnLeft:
         return [Generation(list(self.ids), [0.0] * len(self.ids), True) for _ in prompts]
 
 
+def test_lock_step_opens_and_closes_in_one_request_and_a_server_without_them_one_by_one(tiny_policy) -> None:
+    """A lock-step rollout opens its instances with one /create_batch and closes them with one /close_batch; a
+    server without those endpoints (AgentGym's own) gets /create, /reset and /close per trajectory, with the same
+    trajectories, and nothing left open on either."""
+    from collections import Counter
+
+    from envs.registry import load_backend
+    from envs.server import create_app
+    from tests.conftest import serving
+
+    tokenizer = tiny_policy[1]
+    items = _items("babyai", 3)
+    config = RolloutConfig(n_samples=2, max_new_tokens=12, seed=3, retries=1, backoff_s=0.05)
+    plain = create_app(load_backend("babyai"))
+    plain.router.routes = [r for r in plain.router.routes
+                           if getattr(r, "path", "") not in ("/create_batch", "/close_batch")]
+    runs = {}
+    for name, app in (("batched", create_app(load_backend("babyai"))), ("agentgym", plain)):
+        paths: Counter[str] = Counter()
+        with serving(app) as url, httpx.Client(base_url=url, timeout=60, event_hooks={
+                "request": [lambda request, paths=paths: paths.update([request.url.path])]}) as http:
+            rollout = Rollout("babyai", url, _TurnLeft(tokenizer), tokenizer, config, http=http)
+            runs[name] = rollout.run(items, h=2)
+            assert httpx.get(f"{url}/health").json()["instances"] == 0
+        runs[name].paths, runs[name].no_batch = dict(paths), rollout.no_batch
+    assert runs["batched"].paths == {"/create_batch": 1, "/step_batch": 2, "/close_batch": 1}
+    assert runs["batched"].no_batch == set()
+    agentgym = runs["agentgym"].paths
+    assert (agentgym["/create"], agentgym["/reset"], agentgym["/close"]) == (6, 6, 6) and agentgym["/create_batch"] == 1
+    assert runs["agentgym"].no_batch == {0}
+    assert [t.input_ids for t in runs["agentgym"].trajectories] == [t.input_ids for t in runs["batched"].trajectories]
+    assert all(t.valid for t in runs["batched"].trajectories)
+
+
 @pytest.mark.parametrize("mode", ["lockstep", "async"])
 def test_replicas_share_the_trajectories_and_a_killed_one_loses_none(mode: str, tiny_policy) -> None:
     """Two BabyAI servers: the trajectories are spread by capacity and are exactly those of one server (same

@@ -41,7 +41,17 @@ from typing import Any, Literal, TypeVar
 import httpx
 from tqdm import tqdm
 
-from envs.client import BaseEnvClient, EnvServerError, StepOutput, env_http, health_capacity, step_many
+from envs.client import (
+    BaseEnvClient,
+    ClientLogic,
+    EnvServerError,
+    StepOutput,
+    close_many,
+    env_http,
+    health_capacity,
+    open_many,
+    step_many,
+)
 from envs.registry import client_class
 from envs.splits import item_index
 from training.engine import PolicyEngine, SamplingParams
@@ -51,6 +61,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous mode admits by capacity instead
+OPEN_BATCH = 256  # instances opened by one /create_batch request
 MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
 BOUNDED_CONTEXT_CHECKS = 4  # observation pieces checked against the whole conversation's rendering, per ChatFormat
 
@@ -246,6 +257,7 @@ class Rollout:
             [env_http(u, token=token, timeout=300.0) for u in self.urls]
         self.http = self.https[0]
         self.dead: set[int] = set()  # replicas that failed; none is tried again by this Rollout
+        self.no_batch: set[int] = set()  # servers without /create_batch, /close_batch (AgentGym's): one by one
         self._capacities: list[float] | None = None
 
     def capacities(self) -> list[float]:
@@ -345,20 +357,64 @@ class Rollout:
         result.seconds_in_env += env_seconds
 
     def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
-        """Open and reset every trajectory's instance, up to ``RESET_THREADS`` per server at once (the round trips
-        overlap, and replicas or simulator pools reset in parallel); returns the seconds it took."""
+        """Open and reset every trajectory's instance: one ``/create_batch`` request per server (the servers at once),
+        then one by one, up to ``RESET_THREADS`` per server at once, for those the batch did not open (a full or
+        failing server gets the retry policy, an unreachable replica's go to the others, a server without the
+        endpoint is served this way); returns the seconds it took."""
         started = time.perf_counter()
         servers = self._assign(len(trajectories))
+        left = self._open_batches(trajectories, clients, servers)
 
         def reset(i: int) -> None:
             server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
             while not self._reset_one(trajectories, clients, i, server):
                 server = self._assign(1)[0]
 
-        if trajectories:
-            with ThreadPoolExecutor(min(len(trajectories), RESET_THREADS * len(self.urls))) as pool:
-                list(pool.map(reset, range(len(trajectories))))  # the first error (a bad item id) is raised
+        if left:
+            with ThreadPoolExecutor(min(len(left), RESET_THREADS * len(self.urls))) as pool:
+                list(pool.map(reset, left))  # the first error (a bad item id) is raised
         return time.perf_counter() - started
+
+    def _open_batches(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None],
+                      servers: list[int]) -> list[int]:
+        """Open each server's share of ``trajectories`` in ``/create_batch`` requests of up to ``OPEN_BATCH``; returns
+        the trajectories left to open one by one. A bad item id (422) is raised: nothing of its request was opened."""
+        shares: dict[int, list[int]] = {}
+        for i, server in enumerate(servers):
+            shares.setdefault(server, []).append(i)
+        batched = {s: share for s, share in shares.items() if s not in self.no_batch and s not in self.dead}
+        left = sorted(i for s, share in shares.items() if s not in batched for i in share)
+
+        def open_share(server: int) -> list[int]:
+            share, unopened = batched[server], []
+            for start in range(0, len(share), OPEN_BATCH):
+                chunk = share[start:start + OPEN_BATCH]
+                try:
+                    opened = open_many(self.client_cls, self.https[server],
+                                       [item_index(trajectories[i].item_id) for i in chunk])
+                except EnvServerError as err:
+                    if err.status_code in (404, 405):  # an AgentGym server: no batch endpoint
+                        self.no_batch.add(server)
+                    elif err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
+                        raise
+                    unopened.extend(share[start:])
+                    break
+                for i, outcome in zip(chunk, opened, strict=True):
+                    if isinstance(outcome, EnvServerError):
+                        unopened.append(i)  # the server was full or its simulator failed: retried one by one
+                        continue
+                    client, first = outcome
+                    trajectories[i].server = server
+                    clients[i] = client  # type: ignore[assignment]
+                    self._begin(trajectories[i], client, first)
+            return unopened
+
+        if len(batched) > 1:
+            with ThreadPoolExecutor(len(batched)) as pool:
+                unopened = list(pool.map(open_share, batched))
+        else:
+            unopened = [open_share(s) for s in batched]
+        return sorted(left + [i for share in unopened for i in share])
 
     def _reset_one(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], i: int,
                    server: int) -> bool:
@@ -380,6 +436,13 @@ class Rollout:
                 return False
             t.finish("env_error", str(err))
             return True
+        self._begin(t, client, first)
+        return True
+
+    def _begin(self, t: Trajectory, client: ClientLogic, first: StepOutput) -> None:
+        """Start trajectory ``t`` from its instance's first observation (its opening prompt, its clock, and the
+        budgets that end it before any turn)."""
+        cfg = self.config
         t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
         t.append_prompt(self.chat.prompt(t.messages))
         t.prompt_length = len(t.input_ids)
@@ -388,7 +451,6 @@ class Rollout:
             t.finish("context_cap")
         elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
             t.finish("token_cap")
-        return True
 
     def _generate(self, trajectories: list[Trajectory], chosen: list[int], step: int, call: int
                   ) -> tuple[list[str], float, int]:
@@ -614,8 +676,28 @@ class Rollout:
                 client.close()
 
     def _close_all(self, clients: list[BaseEnvClient | None]) -> float:
-        """Close every instance still open, ``RESET_THREADS`` per server at once; returns the seconds it took."""
+        """Close every instance still open: one ``/close_batch`` request per server (the servers at once), one by
+        one (``RESET_THREADS`` per server at once) where that failed; returns the seconds it took."""
         started = time.perf_counter()
+        server_of = {id(http): s for s, http in enumerate(self.https)}
+        shares: dict[int, list[int]] = {}
+        for i, client in enumerate(clients):
+            server = server_of.get(id(client.http)) if client is not None else None
+            if server is not None and server not in self.no_batch:
+                shares.setdefault(server, []).append(i)
+
+        def close_share(server: int) -> None:
+            try:
+                close_many([clients[i] for i in shares[server]])  # type: ignore[misc]
+            except EnvServerError as err:
+                if err.status_code in (404, 405):  # an AgentGym server: no batch endpoint
+                    self.no_batch.add(server)
+                return  # left open: closed one by one below
+            for i in shares[server]:
+                clients[i] = None
+
+        with ThreadPoolExecutor(max(1, len(shares))) as pool:
+            list(pool.map(close_share, [s for s, share in shares.items() if len(share) > 1]))
         open_ = [i for i, client in enumerate(clients) if client is not None]
         if len(open_) > 1:
             with ThreadPoolExecutor(min(len(open_), RESET_THREADS * len(self.urls))) as pool:
