@@ -174,15 +174,11 @@ def _items() -> dict[str, Any]:
 
 
 def base_model() -> Path:
-    """The tiny policy the warm start fine-tunes: SCALINGINTER_STUDY_BASE, else the project's models/tiny, built
-    there as `scalinginter build-model` builds it (seed 0, the recorded corpus) when a fresh clone has none."""
-    path = Path(os.environ.get("SCALINGINTER_STUDY_BASE") or ROOT / "models" / "tiny")
-    if not (path / "config.json").exists():
-        from envs.corpus import read_corpus
-        from training.model import build_tiny
+    """The tiny policy the warm start fine-tunes: SCALINGINTER_STUDY_BASE, else the project's models/tiny (built
+    when a fresh clone has none)."""
+    from benchmarks import tiny_model
 
-        build_tiny(read_corpus(ROOT / "data" / "tokenizer_corpus.json.gz"), path, seed=0)
-    return path
+    return tiny_model(os.environ.get("SCALINGINTER_STUDY_BASE"))
 
 
 def stage_warm(params: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +46,8 @@ from training.config import TrainConfig
 from training.evaluate import EvalResult, evaluate, paired_difference_ci
 from training.sft import SFTConfig, sft
 from training.trainer import train_phase
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 
 GOAL = re.compile(r"Your goal: go to (?:the|a) (.+)")
 COLOURS = ("red", "green", "blue", "purple", "yellow", "grey")
@@ -146,7 +149,9 @@ def main() -> None:
     if args.warm:
         warm = Path(args.warm)
     else:
-        warm = sft(Path(args.model), work / "sft", list(sft_episodes.values()),
+        from benchmarks import tiny_model
+
+        warm = sft(tiny_model(args.model), work / "sft", list(sft_episodes.values()),
                    SFTConfig(epochs=args.sft_epochs, lr=1e-3, batch_size=8), progress=True)
         print(f"SFT on {len(sft_episodes)} expert episodes ({time.perf_counter() - started:.0f} s)")
     with running_server("babyai") as url:

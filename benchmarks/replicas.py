@@ -78,7 +78,9 @@ def main() -> None:
             args.async_batch = max(1, args.trajectories // 4)
         policy_async_vs_lockstep(args)
         return
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny")
+    from benchmarks import tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model())
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     config = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, retries=1, backoff_s=0.05)
     rates = {}
@@ -88,13 +90,17 @@ def main() -> None:
             rollout.run(items, h=2)  # warm-up
             best = 0.0
             for _ in range(args.repeats):
+                # a fresh rollout each time: no ids kept from the run before (a training step rolls out new items)
+                rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config)
                 started = time.perf_counter()
                 result = rollout.run(items, h=args.h)
                 steps = sum(len(t.turns) for t in result.trajectories)
                 best = max(best, steps / (time.perf_counter() - started))
             rates[replicas] = best
+            chat = rollout.chat  # the share of texts (prompts, observations) whose ids were kept from before
             print(json.dumps({"replicas": replicas, "env_steps_per_s": round(best, 1), "trajectories":
-                              len(result.trajectories)}), flush=True)
+                              len(result.trajectories), "texts_kept": round(
+                                  chat.encode_hits / max(1, chat.encode_hits + chat.encode_misses), 3)}), flush=True)
     print(json.dumps({"speedup_2_vs_1": round(rates[2] / rates[1], 2)}), flush=True)
     per_s = {}
     with running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
@@ -124,6 +130,7 @@ def main() -> None:
 
 def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     """trajectories/s of the asynchronous mode against lock-step rounds, the tiny policy served by vLLM."""
+    from benchmarks import tiny_model
     from envs.launcher import running_replicas
     from envs.splits import load_split
     from training.config import PolicyServerConfig
@@ -131,7 +138,7 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     from training.rollout import Rollout, RolloutConfig
     from training.vllm_engine import VLLMEngine, running_vllm
 
-    model_dir = ROOT / "models" / "tiny"
+    model_dir = tiny_model()
     _, tokenizer = load_policy(model_dir)
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     budget, new_tokens = 4096, 24

@@ -45,6 +45,7 @@ def goto_h1_task() -> tuple[Path, list[str], list[str], int, None, dict[str, int
     """The learning benchmark's task (benchmarks/learning_babyai.py, where GRPO gained +3.6 points): GoTo items
     whose target is in view (the expert solves them in one turn), its SFT warm start (4 epochs on the expert's
     episodes of the first 3,400 pool items; built once into runs/rft-babyai-h1/warm), 900 held-out items."""
+    from benchmarks import tiny_model
     from benchmarks.learning_babyai import solvable
     from envs.registry import load_backend
     from training.sft import SFTConfig, sft
@@ -55,7 +56,7 @@ def goto_h1_task() -> tuple[Path, list[str], list[str], int, None, dict[str, int
     episodes = solvable(pool[:3400], 1)
     warm = ROOT / "runs" / "rft-babyai-h1" / "warm"
     if not (warm / "manifest.json").exists():
-        sft(ROOT / "models" / "tiny", warm, list(episodes.values()), SFTConfig(epochs=4, lr=1e-3, batch_size=8),
+        sft(tiny_model(), warm, list(episodes.values()), SFTConfig(epochs=4, lr=1e-3, batch_size=8),
             progress=True)
     test = list(solvable(held_out[:9000], 1))[:900]
     return warm, list(solvable(pool[3400:6000], 1)), test, 1, None, dict.fromkeys(test, 1)

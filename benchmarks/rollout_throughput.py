@@ -10,19 +10,20 @@ prompts (target >= 0.8x). Builds the tiny model into a temporary folder when --m
 from __future__ import annotations
 
 import argparse
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from envs.corpus import expert_corpus
 from envs.launcher import running_server
 from envs.splits import load_split
 from training.engine import HFEngine, SamplingParams
-from training.model import build_tiny, load_policy
+from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 
 
 def bare_generate_tokens_per_s(model: torch.nn.Module, tokenizer: Any, prompts: list[list[int]], new: int) -> float:
@@ -51,9 +52,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    folder = Path(args.model)
-    if not folder.exists():
-        folder = build_tiny(list(expert_corpus({"babyai": 4, "textcraft": 4})), Path(tempfile.mkdtemp()) / "tiny")
+    from benchmarks import tiny_model
+
+    folder = tiny_model(args.model)
     model, tokenizer = load_policy(folder)
     model.eval()
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)

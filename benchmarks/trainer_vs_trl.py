@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,8 @@ from training.advantages import masked_mean
 from training.devices import autocast
 from training.losses import actor_loss, policy_forward, token_logprobs
 from training.model import load_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 
 
 def batch(vocab: int, rows: int, prompt: int, completion: int) -> dict[str, torch.Tensor]:
@@ -115,6 +119,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    from benchmarks import tiny_model
+
+    args.model = str(tiny_model(args.model))
     model, _ = load_policy(args.model)
     data = batch(model.config.vocab_size, args.batch, args.prompt, args.completion)
     tokens = float(data["completion_mask"].sum())

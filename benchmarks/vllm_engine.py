@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed generation")
     args = parser.parse_args()
 
+    from benchmarks import tiny_model
+
+    args.model = str(tiny_model(args.model))
     model, tokenizer = load_policy(args.model)
     model.eval()
     chat = ChatFormat(tokenizer)

@@ -216,6 +216,42 @@ def test_a_template_that_looks_at_the_history_gets_the_whole_conversation(tiny_p
     assert not chat._bounded
 
 
+def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny_policy, monkeypatch) -> None:
+    """A text met again is not tokenised again (one tokenizer call for the texts not kept, each once), its ids are
+    the tokenizer's, a caller cannot change what is kept by changing what it got, and only the ENCODED_TEXTS texts
+    met most recently are kept."""
+    import training.rollout as rollout_module
+
+    tokenizer = tiny_policy[1]
+    monkeypatch.setattr(rollout_module, "ENCODED_TEXTS", 3)
+    chat = ChatFormat(tokenizer)
+    calls = []
+    real = chat.tokenizer
+
+    class Counting:
+        def __call__(self, texts, **kwargs):
+            calls.append(list(texts))
+            return real(texts, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    chat.tokenizer = Counting()
+    texts = ["go to the red ball", "open the door", "go to the red ball", "pick up the key"]
+    expected = [real(t, add_special_tokens=False)["input_ids"] for t in texts]
+    first = chat.encode_many(texts)
+    assert first == expected and calls == [["go to the red ball", "open the door", "pick up the key"]]
+    first[0].append(-1)  # the caller's copy
+    assert chat.encode_many(["go to the red ball"]) == [expected[0]] and len(calls) == 1
+    assert (chat.encode_hits, chat.encode_misses) == (2, 3)
+    chat.encode_many(["a fourth text"])  # the text met longest ago ("open the door") is dropped
+    assert list(chat._encoded) == ["pick up the key", "go to the red ball", "a fourth text"]
+    assert chat.encode_many(["open the door"]) == [expected[1]] and calls[-1] == ["open the door"]
+    group = [[{"role": "user", "content": "a task"}]] * 4
+    assert chat.prompts(group) == [chat.prompt(group[0])] * 4 and calls[-1] == [chat.render(group[0], True)]
+
+
+
 def test_sft_tokenises_an_episode_exactly_as_the_rollout_does(env_server, tiny_policy) -> None:
     """One prompt builder and one turn layout: an expert episode fed to SFT gives the very ids and loss mask of
     the same episode rolled out through the server (so SFT trains on what RL will sample from)."""

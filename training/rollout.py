@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -64,6 +65,7 @@ RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous m
 OPEN_BATCH = 256  # instances opened by one /create_batch request
 MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
 BOUNDED_CONTEXT_CHECKS = 4  # observation pieces checked against the whole conversation's rendering, per ChatFormat
+ENCODED_TEXTS = 4096  # texts whose ids a ChatFormat keeps (those met most recently)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ class ChatFormat:
         # the whole conversation, and a template whose rendering depends on the history gets the whole one always
         self._bounded = True
         self._checks_left = BOUNDED_CONTEXT_CHECKS
+        self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, oldest first (see ``encode_many``)
+        self.encode_hits = self.encode_misses = 0
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -148,11 +152,23 @@ class ChatFormat:
         return self.encode_many([text])[0]
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids, in one tokenizer call (a fast tokenizer encodes a batch in parallel)."""
+        """Each text's ids, those not met recently in one tokenizer call. The ids of the ``ENCODED_TEXTS`` texts met
+        most recently are kept: the samples of a group start from the same prompt and often meet the same
+        observations, and tokenising them was the largest share of a rollout's own cost (encoding is a pure function
+        of the text)."""
         if not texts:
             return []
         with self._lock:
-            return [list(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+            new = list(dict.fromkeys(text for text in texts if text not in self._encoded))
+            self.encode_misses += len(new)
+            self.encode_hits += len(texts) - len(new)
+            if new:
+                encoded = self.tokenizer(new, add_special_tokens=False)["input_ids"]
+                self._encoded.update(zip(new, map(tuple, encoded), strict=True))
+            ids = [list(self._encoded.setdefault(text, self._encoded.pop(text))) for text in texts]  # now the newest
+            for old in list(itertools.islice(self._encoded, max(0, len(self._encoded) - ENCODED_TEXTS))):
+                del self._encoded[old]
+            return ids
 
     def decode(self, ids: list[int]) -> str:
         with self._lock:
@@ -160,7 +176,12 @@ class ChatFormat:
 
     def prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The ids a trajectory starts with: the opening messages and the generation prompt."""
-        return self.encode(self.render(messages, generation_prompt=True))
+        return self.prompts([messages])[0]
+
+    def prompts(self, conversations: Sequence[list[dict[str, str]]]) -> list[list[int]]:
+        """``prompt`` of each conversation, in one tokenizer call (a text met more than once, as the samples of one
+        group, is encoded once)."""
+        return self.encode_many([self.render(messages, generation_prompt=True) for messages in conversations])
 
     def reply(self, text: str) -> list[int]:
         """An assistant turn's ids as the policy emits them: the text, then the end-of-turn id."""
@@ -399,6 +420,7 @@ class Rollout:
                         raise
                     unopened.extend(share[start:])
                     break
+                began = []
                 for i, outcome in zip(chunk, opened, strict=True):
                     if isinstance(outcome, EnvServerError):
                         unopened.append(i)  # the server was full or its simulator failed: retried one by one
@@ -406,7 +428,8 @@ class Rollout:
                     client, first = outcome
                     trajectories[i].server = server
                     clients[i] = client  # type: ignore[assignment]
-                    self._begin(trajectories[i], client, first)
+                    began.append((trajectories[i], client, first))
+                self._begin_many(began)
             return unopened
 
         if len(batched) > 1:
@@ -436,21 +459,23 @@ class Rollout:
                 return False
             t.finish("env_error", str(err))
             return True
-        self._begin(t, client, first)
+        self._begin_many([(t, client, first)])
         return True
 
-    def _begin(self, t: Trajectory, client: ClientLogic, first: StepOutput) -> None:
-        """Start trajectory ``t`` from its instance's first observation (its opening prompt, its clock, and the
-        budgets that end it before any turn)."""
+    def _begin_many(self, began: Sequence[tuple[Trajectory, ClientLogic, StepOutput]]) -> None:
+        """Start each trajectory from its instance's first observation (its opening prompt, encoded with the others'
+        in one call; its clock; the budgets that end it before any turn)."""
         cfg = self.config
-        t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
-        t.append_prompt(self.chat.prompt(t.messages))
-        t.prompt_length = len(t.input_ids)
-        t.started = time.perf_counter()
-        if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
-            t.finish("context_cap")
-        elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
-            t.finish("token_cap")
+        for t, client, first in began:
+            t.messages = opening_messages(client.conversation_start, first.observation, cfg.system_prompt)
+        for (t, _, _), ids in zip(began, self.chat.prompts([t.messages for t, _, _ in began]), strict=True):
+            t.append_prompt(ids)
+            t.prompt_length = len(t.input_ids)
+            t.started = time.perf_counter()
+            if t.prompt_length + cfg.max_new_tokens > cfg.context_budget:
+                t.finish("context_cap")
+            elif cfg.max_trajectory_tokens is not None and cfg.max_new_tokens > cfg.max_trajectory_tokens:
+                t.finish("token_cap")
 
     def _generate(self, trajectories: list[Trajectory], chosen: list[int], step: int, call: int
                   ) -> tuple[list[str], float, int]:
@@ -472,9 +497,12 @@ class Rollout:
                step: int, round_idx: int, h: int) -> tuple[float, float, int]:
         texts, gen_s, tokens = self._generate(trajectories, active, step, round_idx)
         t1 = time.perf_counter()
-        outputs = self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active])
-        env_s = time.perf_counter() - t1
-        self._record_many([trajectories[i] for i in active], texts, outputs, h)
+
+        def record(positions: list[int], outs: list[StepOutput]) -> None:  # as each server's share comes back
+            self._record_many([trajectories[active[p]] for p in positions], [texts[p] for p in positions], outs, h)
+
+        self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active], record)
+        env_s = time.perf_counter() - t1  # with the observations' tokenisation, overlapped with the other servers
         return gen_s, env_s, tokens
 
     def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
@@ -604,9 +632,12 @@ class Rollout:
             list(pool.map(play, range(len(trajectories))))  # the first error (a dead engine) is raised
         return totals["gen"], totals["env"], int(totals["tokens"])
 
-    def _step_round(self, clients: list[Any], texts: list[str], servers: list[int]) -> list[StepOutput]:
+    def _step_round(self, clients: list[Any], texts: list[str], servers: list[int],
+                    record: Callable[[list[int], list[StepOutput]], None] | None = None) -> list[StepOutput]:
         """One ``/step_batch`` per server, the servers' shares concurrently; a server whose request fails after
-        the retries gives its share env errors (and, if it is unreachable, is marked dead)."""
+        the retries gives its share env errors (and, if it is unreachable, is marked dead). ``record(positions,
+        outputs)`` is called with each server's share as soon as it is back (in that server's thread), so the
+        client's work on one share overlaps the other servers' steps."""
         shares: dict[int, list[int]] = {}
         for position, server in enumerate(servers):
             shares.setdefault(server, []).append(position)
@@ -614,12 +645,15 @@ class Rollout:
         def step_share(server: int) -> list[StepOutput]:
             chosen = shares[server]
             try:
-                return with_retries(lambda: step_many([clients[p] for p in chosen], [texts[p] for p in chosen],
-                                                       partial=True), self.config.retries, self.config.backoff_s)
+                outs = with_retries(lambda: step_many([clients[p] for p in chosen], [texts[p] for p in chosen],
+                                                      partial=True), self.config.retries, self.config.backoff_s)
             except EnvServerError as err:  # the server's whole share failed: each of its trajectories errs
                 if err.status_code is None and len(self.urls) > 1:
                     self.dead.add(server)
-                return [StepOutput("", error=str(err)) for _ in chosen]
+                outs = [StepOutput("", error=str(err)) for _ in chosen]
+            if record is not None:
+                record(chosen, outs)
+            return outs
 
         if len(shares) == 1:
             parts = {server: step_share(server) for server in shares}
