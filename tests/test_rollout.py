@@ -408,7 +408,9 @@ class _TurnLeft:
 def test_lock_step_opens_and_closes_in_one_request_and_a_server_without_them_one_by_one(tiny_policy) -> None:
     """A lock-step rollout opens its instances with one /create_batch and closes them with one /close_batch; a
     server without those endpoints (AgentGym's own) gets /create, /reset and /close per trajectory, with the same
-    trajectories, and nothing left open on either."""
+    trajectories, and nothing left open on either. The asynchronous mode opens what a server has room for in one
+    request and closes the trajectories that end together in one."""
+    import dataclasses
     from collections import Counter
 
     from envs.registry import load_backend
@@ -437,6 +439,17 @@ def test_lock_step_opens_and_closes_in_one_request_and_a_server_without_them_one
     assert runs["agentgym"].no_batch == {0}
     assert [t.input_ids for t in runs["agentgym"].trajectories] == [t.input_ids for t in runs["batched"].trajectories]
     assert all(t.valid for t in runs["batched"].trajectories)
+    paths = Counter()
+    with serving(create_app(load_backend("babyai"), max_instances=4)) as url, httpx.Client(
+            base_url=url, timeout=60, event_hooks={"request": [lambda request: paths.update([request.url.path])]}
+    ) as http:
+        cfg = dataclasses.replace(config, mode="async", async_batch=2)
+        result = Rollout("babyai", url, _TurnLeft(tokenizer), tokenizer, cfg, http=http).run(items, h=2)
+        assert httpx.get(f"{url}/health").json()["instances"] == 0
+    assert [t.input_ids for t in result.trajectories] == [t.input_ids for t in runs["batched"].trajectories]
+    # room for 4 of the 6: one request for those, one for the last 2 as the first pair ends; closed by the pair
+    # that ends together (two pairs may end at once)
+    assert (paths["/create_batch"], paths["/create"], paths["/close"]) == (2, 0, 0) and paths["/close_batch"] in (2, 3)
 
 
 @pytest.mark.parametrize("mode", ["lockstep", "async"])

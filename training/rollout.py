@@ -384,7 +384,7 @@ class Rollout:
         endpoint is served this way); returns the seconds it took."""
         started = time.perf_counter()
         servers = self._assign(len(trajectories))
-        left = self._open_batches(trajectories, clients, servers)
+        left = self._open_batches(trajectories, clients, list(range(len(trajectories))), servers)
 
         def reset(i: int) -> None:
             server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
@@ -397,11 +397,12 @@ class Rollout:
         return time.perf_counter() - started
 
     def _open_batches(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None],
-                      servers: list[int]) -> list[int]:
-        """Open each server's share of ``trajectories`` in ``/create_batch`` requests of up to ``OPEN_BATCH``; returns
-        the trajectories left to open one by one. A bad item id (422) is raised: nothing of its request was opened."""
+                      indices: Sequence[int], servers: Sequence[int]) -> list[int]:
+        """Open trajectories ``indices`` (``servers``: the server of each), each server's share in ``/create_batch``
+        requests of up to ``OPEN_BATCH``; returns the trajectories left to open one by one. A bad item id (422) is
+        raised: nothing of its request was opened."""
         shares: dict[int, list[int]] = {}
-        for i, server in enumerate(servers):
+        for i, server in zip(indices, servers, strict=True):
             shares.setdefault(server, []).append(i)
         batched = {s: share for s, share in shares.items() if s not in self.no_batch and s not in self.dead}
         left = sorted(i for s, share in shares.items() if s not in batched for i in share)
@@ -461,6 +462,14 @@ class Rollout:
             return True
         self._begin_many([(t, client, first)])
         return True
+
+    def _open_group(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], group: list[int],
+                    server: int) -> list[bool]:
+        """Open ``group``'s instances on ``server``: one ``/create_batch``, then one by one for what it did not
+        open. Per trajectory as ``_reset_one``: False when the server could not be reached (to be admitted again
+        elsewhere)."""
+        left = set(self._open_batches(trajectories, clients, group, [server] * len(group)))
+        return [self._reset_one(trajectories, clients, i, server) if i in left else True for i in group]
 
     def _begin_many(self, began: Sequence[tuple[Trajectory, ClientLogic, StepOutput]]) -> None:
         """Start each trajectory from its instance's first observation (its opening prompt, encoded with the others'
@@ -524,16 +533,20 @@ class Rollout:
         busy_env = 0.0
         with ThreadPoolExecutor(max(4, 2 * len(self.urls))) as pool:
 
-            def admit() -> None:
+            def admit() -> None:  # what the servers have room for, each server's share opened in one request
+                groups: dict[int, list[int]] = {}
                 while pending and (server := self._free_server(held)) is not None:
                     i = pending.pop(0)
                     held[server] += 1
                     trajectories[i].server = server
-                    in_flight[pool.submit(self._reset_one, trajectories, clients, i, server)] = ([i], None)
+                    groups.setdefault(server, []).append(i)
+                for server, group in groups.items():
+                    in_flight[pool.submit(self._open_group, trajectories, clients, group, server)] = (group, None)
 
-            def release(i: int) -> None:  # a finished trajectory gives its instance back now
-                held[trajectories[i].server] -= 1
-                self._close_one(clients, i)
+            def release(finished: list[int]) -> None:  # finished trajectories give their instances back now
+                for i in finished:
+                    held[trajectories[i].server] -= 1
+                self._close_all(clients, finished)
 
             admit()
             while ready or in_flight:
@@ -559,24 +572,23 @@ class Rollout:
                     t1 = time.perf_counter()
                     done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                     busy_env += time.perf_counter() - t1
+                finished: list[int] = []
                 for future in done:
                     batch, texts = in_flight.pop(future)
-                    if texts is None:  # a reset came back
-                        (i,) = batch
-                        if not future.result():  # its server could not be reached: admit it again elsewhere
+                    if texts is None:  # resets came back
+                        unreached = [i for i, reached in zip(batch, future.result(), strict=True) if not reached]
+                        for i in unreached:  # its server could not be reached: admit it again elsewhere
                             held[trajectories[i].server] -= 1
-                            pending.insert(0, i)
-                        elif trajectories[i].active:
-                            ready.append(i)
-                        else:
-                            release(i)
-                        continue
-                    self._record_many([trajectories[i] for i in batch], texts, future.result(), h)
+                        pending[:0] = unreached
+                        batch = [i for i in batch if i not in unreached]
+                    else:
+                        self._record_many([trajectories[i] for i in batch], texts, future.result(), h)
                     for i in batch:
                         if trajectories[i].active:
                             ready.append(i)
                         else:
-                            release(i)
+                            finished.append(i)
+                release(finished)
                 admit()
         for i in pending:  # cannot happen while a live server has capacity; never leave a trajectory unended
             trajectories[i].finish("env_error", "no environment server had room for it")
@@ -709,13 +721,17 @@ class Rollout:
             with contextlib.suppress(EnvServerError):
                 client.close()
 
-    def _close_all(self, clients: list[BaseEnvClient | None]) -> float:
-        """Close every instance still open: one ``/close_batch`` request per server (the servers at once), one by
-        one (``RESET_THREADS`` per server at once) where that failed; returns the seconds it took."""
+    def _close_all(self, clients: list[BaseEnvClient | None], only: Sequence[int] | None = None) -> float:
+        """Close every instance still open (of trajectories ``only``, when given): one ``/close_batch`` request per
+        server (the servers at once), one by one (``RESET_THREADS`` per server at once) where that failed; returns
+        the seconds it took."""
         started = time.perf_counter()
+        if only is not None and not only:
+            return 0.0
         server_of = {id(http): s for s, http in enumerate(self.https)}
         shares: dict[int, list[int]] = {}
-        for i, client in enumerate(clients):
+        for i in range(len(clients)) if only is None else only:
+            client = clients[i]
             server = server_of.get(id(client.http)) if client is not None else None
             if server is not None and server not in self.no_batch:
                 shares.setdefault(server, []).append(i)
@@ -732,7 +748,7 @@ class Rollout:
 
         with ThreadPoolExecutor(max(1, len(shares))) as pool:
             list(pool.map(close_share, [s for s, share in shares.items() if len(share) > 1]))
-        open_ = [i for i, client in enumerate(clients) if client is not None]
+        open_ = [i for i in (range(len(clients)) if only is None else only) if clients[i] is not None]
         if len(open_) > 1:
             with ThreadPoolExecutor(min(len(open_), RESET_THREADS * len(self.urls))) as pool:
                 list(pool.map(lambda i: self._close_one(clients, i), open_))
