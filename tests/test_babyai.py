@@ -78,6 +78,34 @@ def test_levels_and_sub_tasks(backend: Backend) -> None:
         backend.new_instance().reset(-1)
 
 
+def test_the_one_pass_view_is_minigrids_own_cell_for_cell() -> None:
+    """envs.babyai.view gives the grid (the very objects; a wall outside the world) and visibility mask that
+    minigrid's gen_obs_grid gives, on random walks through every level, carrying included; make_env installs it."""
+    import random
+
+    from minigrid.minigrid_env import MiniGridEnv
+
+    from envs.babyai import view
+    from envs.babyai.backend import _FACTORIES, make_env
+
+    rng, states, carried = random.Random(5), 0, 0
+    for level in _FACTORIES:
+        env = make_env(level)
+        assert env.gen_obs_grid.__func__ is view.gen_obs_grid
+        env.reset(seed=rng.randrange(10**6))
+        for _ in range(25):
+            _, _, terminated, truncated, _ = env.step(rng.randrange(6))
+            if terminated or truncated:
+                env.reset(seed=rng.randrange(10**6))
+            theirs, their_mask = MiniGridEnv.gen_obs_grid(env)
+            ours, our_mask = env.gen_obs_grid()
+            assert (our_mask == their_mask).all() and (ours.encode(our_mask) == theirs.encode(their_mask)).all()
+            assert all(a is b or (a.type == b.type == "wall" and a is not None) for a, b in
+                       zip(ours.grid, theirs.grid, strict=True)), (level, env.agent_pos, env.agent_dir)
+            states, carried = states + 1, carried + (env.carrying is not None)
+    assert states == 25 * len(_FACTORIES) and carried > 0
+
+
 def test_reset_and_step_text(backend: Backend) -> None:
     env = backend.new_instance()
     first = env.reset(0)

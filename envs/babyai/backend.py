@@ -27,7 +27,7 @@ import minigrid.envs.babyai.core.roomgrid_level as _roomgrid_level
 from gymnasium.envs.registration import load_env_creator
 
 from envs import base
-from envs.babyai import text
+from envs.babyai import text, view
 
 _LOG = logging.getLogger(__name__)
 
@@ -87,9 +87,10 @@ _FACTORIES = {level: _factory(level) for level in LEVELS}
 
 
 def make_env(level: str) -> object:
-    """A fresh minigrid env of ``level``, without gymnasium's wrappers (their checks cost on every step)."""
+    """A fresh minigrid env of ``level``, without gymnasium's wrappers (their checks cost on every step), its view
+    computed in one pass (``envs.babyai.view``: minigrid's own, cell for cell, in a third of the time)."""
     cls, kwargs = _FACTORIES[level]
-    return cls(**kwargs)
+    return view.install(cls(**kwargs))
 
 
 def ending_of(done: bool, terminated: bool, success: bool) -> str:
