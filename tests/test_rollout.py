@@ -198,6 +198,32 @@ def test_observation_pieces_from_a_bounded_context_equal_the_whole_conversations
     assert [chat.observation_piece(m, o) for m, o in zip(befores, observations, strict=True)] == whole
     assert chat._bounded  # the tiny template renders a turn the same in any history: the bounded context is kept
     assert len(chat._bounded_context(befores[-1])) == 3 < len(befores[-1])
+    # and it puts an observation into its turn verbatim: past the checks, pieces are cut from that frame
+    frame = ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+    assert chat._framed and list(chat._frames.values()) == [frame]
+    assert chat._frame_checks_left == 0 and chat._checks_left < 0  # 4 checked of each kind, the rest cut
+
+
+@pytest.mark.parametrize("change", ["trim", "replace"])
+def test_a_template_that_changes_an_observation_gets_it_rendered(tiny_policy, change: str) -> None:
+    """A template that trims what it renders has no frame (the sentinels' white space shows it); one that changes
+    only some words is caught by the first rendered check; either way every piece is the template's own."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_policy[1])
+    rendered = "{%- else %}{{- message['content']"
+    assert tokenizer.chat_template.count(rendered) == 1
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        rendered, rendered + ("|trim" if change == "trim" else "|replace('ball', 'BALL')"))
+    chat = ChatFormat(tokenizer)
+    befores, observations = _long_conversation(8)
+    whole = [chat.encode(chat._render_piece(m, o)) for m, o in zip(befores, observations, strict=True)]
+    assert [chat.observation_piece(m, o) for m, o in zip(befores, observations, strict=True)] == whole
+    assert chat._bounded
+    if change == "trim":
+        assert list(chat._frames.values()) == [None]  # no frame: every piece rendered
+    else:
+        assert list(chat._frames.values()) != [None] and not chat._framed  # a frame, turned off by the first check
 
 
 def test_a_template_that_looks_at_the_history_gets_the_whole_conversation(tiny_policy) -> None:

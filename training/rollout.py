@@ -65,6 +65,10 @@ RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous m
 OPEN_BATCH = 256  # instances opened by one /create_batch request
 MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
 BOUNDED_CONTEXT_CHECKS = 4  # observation pieces checked against the whole conversation's rendering, per ChatFormat
+FRAME_CHECKS = 4  # observation pieces cut from a template's frame that are also rendered, per ChatFormat
+# observations no template should change (leading and trailing white space, Jinja and HTML syntax): a template
+# whose piece is not ``head + observation + tail`` for both has no frame
+FRAME_SENTINELS = (" \n\tsentinel {{ one }} {% raw %}<b>&amp;</b>\n ", "\n\n  Sentinel two: 'x' \"y\"  \t")
 ENCODED_TEXTS = 4096  # texts whose ids a ChatFormat keeps (those met most recently)
 
 
@@ -133,6 +137,10 @@ class ChatFormat:
         # the whole conversation, and a template whose rendering depends on the history gets the whole one always
         self._bounded = True
         self._checks_left = BOUNDED_CONTEXT_CHECKS
+        # and, where the template puts an observation into its turn verbatim, cut from that frame without rendering
+        self._frames: dict[tuple[tuple[str, str], ...], tuple[str, str] | None] = {}
+        self._framed = True
+        self._frame_checks_left = FRAME_CHECKS
         self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, oldest first (see ``encode_many``)
         self.encode_hits = self.encode_misses = 0
 
@@ -220,11 +228,19 @@ class ChatFormat:
 
     def _piece_text(self, messages: list[dict[str, str]], observation: str) -> str:
         context = self._bounded_context(messages)
-        piece = self._render_piece(context, observation)
         if context is messages:
-            return piece
+            return self._render_piece(messages, observation)
+        frame = self._frame(context)
         with self._lock:
             check, self._checks_left = self._checks_left > 0, self._checks_left - 1
+            check_frame = frame is not None and self._frame_checks_left > 0
+            self._frame_checks_left -= check_frame
+        if frame is not None and not check and not check_frame:
+            return frame[0] + observation + frame[1]
+        piece = self._render_piece(context, observation)
+        if check_frame and frame is not None and frame[0] + observation + frame[1] != piece:
+            self._framed = False
+            log.warning("the chat template changes an observation it renders; rendering every turn from now on")
         if check:
             whole = self._render_piece(messages, observation)
             if whole != piece:
@@ -233,6 +249,23 @@ class ChatFormat:
                             "rendering the whole conversation every turn from now on")
                 return whole
         return piece
+
+    def _frame(self, context: list[dict[str, str]]) -> tuple[str, str] | None:
+        """(head, tail) of an observation's piece after ``context``'s opening, where the template renders every
+        observation as ``head + observation + tail`` (the same for both ``FRAME_SENTINELS``); else None. The first
+        ``FRAME_CHECKS`` pieces cut from it are also rendered, and a difference turns frames off."""
+        if not self._framed:
+            return None
+        key = tuple((m["role"], m["content"]) for m in context[:-1])
+        if key not in self._frames:
+            frame = None
+            first = self._render_piece(context, FRAME_SENTINELS[0])
+            if first.count(FRAME_SENTINELS[0]) == 1:
+                head, tail = first.split(FRAME_SENTINELS[0])
+                if all(self._render_piece(context, s) == head + s + tail for s in FRAME_SENTINELS[1:]):
+                    frame = (head, tail)
+            self._frames[key] = frame
+        return self._frames[key]
 
     def _bounded_context(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """``messages`` cut to its opening (up to its first user message) and its last (assistant) turn."""
