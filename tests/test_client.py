@@ -100,3 +100,30 @@ def test_async_client_matches_sync_client(env_server) -> None:
         return seen
 
     assert asyncio.run(play()) == expected
+
+
+def test_async_open_many_and_close_many_match_the_sync_pair() -> None:
+    """aopen_many opens and resets a batch in one request (a full server's item a retryable 429, the rest opened)
+    as open_many does; its clients step their instances; aclose_many closes them and lists what was already gone."""
+    from envs.client import EnvServerError, aclose_many, aopen_many, close_many, open_many
+
+    with running_server("babyai", max_instances=3) as url:
+        with httpx.Client(base_url=url) as http:
+            opened = open_many(client_class("babyai"), http, [5, 6])
+            expected = [first.observation for _, first in opened]
+            assert close_many([client for client, _ in opened]) == []
+
+        async def play() -> dict:
+            async with httpx.AsyncClient(base_url=url) as http:
+                opened = await aopen_many(async_client_class("babyai"), http, [5, 6, 7, 8])
+                errors = [o for o in opened if isinstance(o, EnvServerError)]
+                clients = [o[0] for o in opened if not isinstance(o, EnvServerError)]
+                return {"firsts": [o[1].observation for o in opened if not isinstance(o, EnvServerError)],
+                        "errors": [(e.status_code, e.retryable) for e in errors],
+                        "stepped": (await clients[0].step("Action: turn left")).observation,
+                        "missing": await aclose_many(clients), "again": await aclose_many(clients),
+                        "ids": [c.id for c in clients], "live": (await http.get("/health")).json()["instances"]}
+
+        seen = asyncio.run(play())
+    assert seen["firsts"][:2] == expected and len(seen["firsts"]) == 3 and seen["errors"] == [(429, True)]
+    assert seen["stepped"] and seen["missing"] == [] and seen["again"] == seen["ids"] and seen["live"] == 0
