@@ -245,7 +245,7 @@ def test_a_template_that_looks_at_the_history_gets_the_whole_conversation(tiny_p
 def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny_policy, monkeypatch) -> None:
     """A text met again is not tokenised again (one tokenizer call for the texts not kept, each once), its ids are
     the tokenizer's, a caller cannot change what is kept by changing what it got, and only the ENCODED_TEXTS texts
-    met most recently are kept."""
+    met most recently are kept, ENCODED_IDS ids at most."""
     import training.rollout as rollout_module
 
     tokenizer = tiny_policy[1]
@@ -275,6 +275,11 @@ def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny
     assert chat.encode_many(["open the door"]) == [expected[1]] and calls[-1] == ["open the door"]
     group = [[{"role": "user", "content": "a task"}]] * 4
     assert chat.prompts(group) == [chat.prompt(group[0])] * 4 and calls[-1] == [chat.render(group[0], True)]
+    long = "a long observation " * 50
+    monkeypatch.setattr(rollout_module, "ENCODED_IDS", len(real(long, add_special_tokens=False)["input_ids"]) + 5)
+    assert chat.encode_many([long]) == [real(long, add_special_tokens=False)["input_ids"]]
+    assert list(chat._encoded) == [long]  # the others were dropped to keep within ENCODED_IDS
+    assert chat._encoded_ids == sum(len(ids) for ids in chat._encoded.values())
 
 
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import math
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -70,6 +70,7 @@ FRAME_CHECKS = 4  # observation pieces cut from a template's frame that are also
 # whose piece is not ``head + observation + tail`` for both has no frame
 FRAME_SENTINELS = (" \n\tsentinel {{ one }} {% raw %}<b>&amp;</b>\n ", "\n\n  Sentinel two: 'x' \"y\"  \t")
 ENCODED_TEXTS = 4096  # texts whose ids a ChatFormat keeps (those met most recently)
+ENCODED_IDS = 2_000_000  # ids it keeps at most in all (4 bytes each): long observations keep fewer texts
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ class ChatFormat:
         self._frames: dict[tuple[tuple[str, str], ...], tuple[str, str] | None] = {}
         self._framed = True
         self._frame_checks_left = FRAME_CHECKS
-        self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, oldest first (see ``encode_many``)
+        self._encoded: dict[str, array] = {}  # text -> ids, the least recently met first (see ``encode_many``)
+        self._encoded_ids = 0
         self.encode_hits = self.encode_misses = 0
 
     @functools.cached_property
@@ -161,9 +163,9 @@ class ChatFormat:
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's ids, those not met recently in one tokenizer call. The ids of the ``ENCODED_TEXTS`` texts met
-        most recently are kept: the samples of a group start from the same prompt and often meet the same
-        observations, and tokenising them was the largest share of a rollout's own cost (encoding is a pure function
-        of the text)."""
+        most recently are kept (``ENCODED_IDS`` ids at most in all): the samples of a group start from the same
+        prompt and often meet the same observations, and tokenising them was the largest share of a rollout's own
+        cost (encoding is a pure function of the text)."""
         if not texts:
             return []
         with self._lock:
@@ -171,11 +173,12 @@ class ChatFormat:
             self.encode_misses += len(new)
             self.encode_hits += len(texts) - len(new)
             if new:
-                encoded = self.tokenizer(new, add_special_tokens=False)["input_ids"]
-                self._encoded.update(zip(new, map(tuple, encoded), strict=True))
-            ids = [list(self._encoded.setdefault(text, self._encoded.pop(text))) for text in texts]  # now the newest
-            for old in list(itertools.islice(self._encoded, max(0, len(self._encoded) - ENCODED_TEXTS))):
-                del self._encoded[old]
+                for text, encoded in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"], strict=True):
+                    self._encoded[text] = array("i", encoded)
+                    self._encoded_ids += len(encoded)
+            ids = [self._encoded.setdefault(text, self._encoded.pop(text)).tolist() for text in texts]  # now newest
+            while len(self._encoded) > ENCODED_TEXTS or (self._encoded_ids > ENCODED_IDS and self._encoded):
+                self._encoded_ids -= len(self._encoded.pop(next(iter(self._encoded))))
             return ids
 
     def decode(self, ids: list[int]) -> str:
