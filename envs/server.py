@@ -320,13 +320,16 @@ def create_app(
             raise
         return {"id": idx, **result.to_wire()}
 
+    def reset_instance(idx: int, data_idx: int) -> StepResult:
+        with table.use(idx) as slot:
+            result = slot.env.reset(data_idx)
+            slot.reset, slot.done = True, result.done
+        return result
+
     @app.post("/reset")
     def reset(body: ResetBody) -> dict[str, Any]:
         backend.check_index(body.data_idx)
-        with table.use(body.id) as slot:
-            result = slot.env.reset(body.data_idx)
-            slot.reset, slot.done = True, result.done
-        return {"id": body.id, **result.to_wire(), "deleted": False}
+        return {"id": body.id, **reset_instance(body.id, body.data_idx).to_wire(), "deleted": False}
 
     # The hot endpoints return a ready JSONResponse: it skips FastAPI's recursive encoder (a rollout's cost).
     def step_one(body: StepBody) -> JSONResponse:
@@ -355,9 +358,7 @@ def create_app(
     def open_one(data_idx: int) -> dict[str, Any]:
         idx = table.create()
         try:
-            with table.use(idx) as slot:
-                result = slot.env.reset(data_idx)
-                slot.reset, slot.done = True, result.done
+            result = reset_instance(idx, data_idx)
         except Exception:
             with contextlib.suppress(UnknownInstanceError):
                 table.close(idx)  # a reset that failed leaves no instance behind

@@ -63,12 +63,9 @@ def test_evaluators_follow_webarena() -> None:
 
 def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
     """A judge server speaking the chat-completions protocol on localhost."""
-    import threading
-
-    import uvicorn
     from fastapi import FastAPI, Header
 
-    from envs.launcher import free_port
+    from tests.conftest import serving
 
     app = FastAPI()
     seen: list[str] = []
@@ -80,22 +77,13 @@ def test_fuzzy_match_asks_an_openai_compatible_judge() -> None:
         verdict = "correct" if "feline" in prompt.split("Student answer:")[1] else "incorrect"
         return {"choices": [{"message": {"role": "assistant", "content": verdict}}]}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.05)
-        judge = Judge(f"http://127.0.0.1:{port}", "qwen-judge", "sk-test-123")
+    with serving(app) as url:
+        judge = Judge(url, "qwen-judge", "sk-test-123")
         assert string_match({"fuzzy_match": ["a cat"]}, "a feline", "what animal?", judge) == 1.0
         assert string_match({"fuzzy_match": ["a cat"]}, "a dog", "what animal?", judge) == 0.0
         assert "Reference answer: a cat" in seen[0]
         assert seen[0].startswith("qwen-judge Bearer sk-test-123")  # the model and the key reach the judge
         assert "sk-test-123" not in repr(judge)  # ... and never its repr (logs)
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_webarena_format_task_folders_load_and_name_missing_sites(tmp_path) -> None:

@@ -765,8 +765,9 @@ class Rollout:
         if only is not None and not only:
             return 0.0
         server_of = {id(http): s for s, http in enumerate(self.https)}
+        chosen = range(len(clients)) if only is None else only
         shares: dict[int, list[int]] = {}
-        for i in range(len(clients)) if only is None else only:
+        for i in chosen:
             client = clients[i]
             server = server_of.get(id(client.http)) if client is not None else None
             if server is not None and server not in self.no_batch:
@@ -784,7 +785,7 @@ class Rollout:
 
         with ThreadPoolExecutor(max(1, len(shares))) as pool:
             list(pool.map(close_share, [s for s, share in shares.items() if len(share) > 1]))
-        open_ = [i for i in (range(len(clients)) if only is None else only) if clients[i] is not None]
+        open_ = [i for i in chosen if clients[i] is not None]
         if len(open_) > 1:
             with ThreadPoolExecutor(min(len(open_), RESET_THREADS * len(self.urls))) as pool:
                 list(pool.map(lambda i: self._close_one(clients, i), open_))
