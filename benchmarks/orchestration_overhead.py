@@ -72,8 +72,9 @@ def main() -> None:
     for i, (s, d) in enumerate(zip(stage, direct, strict=True)):
         print(f"{i:>6} {s:>13.2f} {d:>9.2f} {s - d:>11.2f}")
     overhead = [s - d for s, d in zip(stage, direct, strict=True)]
-    print(f"overhead per phase: median {statistics.median(overhead):.2f} s, mean {statistics.mean(overhead):.2f} s "
-          f"(target <= 1 s)")
+    later = overhead[1:] or overhead  # the target is for the phases after the first, which pays the imports
+    print(f"overhead per phase after the first: median {statistics.median(later):.2f} s, mean "
+          f"{statistics.mean(later):.2f} s (target <= 1 s); the first {overhead[0]:.2f} s")
     shutil.rmtree(work.parent, ignore_errors=True)
 
 

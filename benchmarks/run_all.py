@@ -49,7 +49,7 @@ BENCHES = [
           ["benchmarks/replicas.py", "--trajectories", "64", "--h", "8", "--repeats", "2"],
           ">= 1.8x env-steps/s with 2 replicas; async vs lock-step >= 1.5x (vllm, SciWorld); 0 lost on a kill",
           r".*(speedup|lost).*"),
-    Bench("orchestration overhead per phase", ["benchmarks/orchestration_overhead.py", "--phases", "3"],
+    Bench("orchestration overhead per phase", ["benchmarks/orchestration_overhead.py", "--phases", "4"],
           "<= 1 s per phase after the first (which pays the imports)", r"^overhead per phase.*", timeout_s=900),
     Bench("trainer vs TRL (tokens/s)", ["benchmarks/trainer_vs_trl.py", "--batch", "8"],
           ">= TRL's GRPOTrainer at the same loss", r".*\[fp32\].*", needs="trl"),

@@ -30,22 +30,25 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
                  path: str = "/health") -> dict[str, Any]:
     """Poll ``url + path`` until it answers 200; fail early if the server process died. Returns the answer's
     JSON ({} when it is not JSON, e.g. an S3 server's XML at ``path="/"``)."""
+    from envs.client import tls_context
+
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with code {proc.returncode} before becoming healthy")
-        try:
-            response = httpx.get(f"{url}{path}", timeout=2.0)
-            if response.status_code == 200:
-                try:
-                    return response.json()
-                except ValueError:
-                    return {}
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"server at {url} not healthy ({path}) after {timeout_s:.0f} s")
-        time.sleep(0.1)
+    with httpx.Client(timeout=2.0, verify=tls_context()) as http:  # one client for every poll
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server {url} exited with code {proc.returncode} before becoming healthy")
+            try:
+                response = http.get(f"{url}{path}")
+                if response.status_code == 200:
+                    try:
+                        return response.json()
+                    except ValueError:
+                        return {}
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server at {url} not healthy ({path}) after {timeout_s:.0f} s")
+            time.sleep(0.1)
 
 
 def start_server(

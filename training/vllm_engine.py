@@ -43,6 +43,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
+from envs.client import tls_context
 from envs.launcher import ROOT, free_port, wait_healthy
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
@@ -203,7 +204,7 @@ class VLLMEngine:
         self.api = api  # auto: the token endpoint when the server's OpenAPI schema lists it (asked once)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
-                                   limits=httpx.Limits(max_connections=concurrency))
+                                   limits=httpx.Limits(max_connections=concurrency), verify=tls_context())
 
     def close(self) -> None:
         self.client.close()
