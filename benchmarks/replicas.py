@@ -1,7 +1,7 @@
 """Environment-bound rollouts: asynchronous against lock-step, 1 and 2 local replicas, and a replica killed mid-way.
 
     python benchmarks/replicas.py [--env babyai|textcraft|sciworld] [--trajectories 64] [--h 10] [--repeats 3]
-    python benchmarks/replicas.py --engine vllm --env sciworld --trajectories 64 --h 10   # issue 19's main figure
+    python benchmarks/replicas.py --engine vllm --env sciworld --trajectories 64 --h 10 --heap 128m  # issue 19's figure
 
 The policy is scripted (every reply ``turn left``, no model), so the time is the environment's: parsing, the
 HTTP round trips and the simulator. Prints env-steps/s with one server and with two (each its own process, so
@@ -48,9 +48,12 @@ REPLIES = {"babyai": "Thought: look around.\nAction: turn left", "textcraft": "T
            "sciworld": "Thought: look.\nAction: look around"}
 
 
-def server_options(env: str, trajectories: int) -> dict[str, int]:
-    """A SciWorld server holds one JVM per live instance (4 by default): one for every trajectory of a rollout."""
-    return {"max_jvms": trajectories} if env == "sciworld" else {}
+def server_options(env: str, trajectories: int, heap: str | None = None) -> dict[str, int | str]:
+    """A SciWorld server holds one JVM per live instance (4 by default): one for every trajectory of a rollout,
+    each with ``heap`` (the server's default when None; 64 JVMs at its -Xmx384m need ~29 GB, at 128m ~13 GB)."""
+    if env != "sciworld":
+        return {}
+    return {"max_jvms": trajectories, **({"heap": heap} if heap else {})}
 
 
 def main() -> None:
@@ -70,6 +73,9 @@ def main() -> None:
     parser.add_argument("--async-batch", type=int, default=None,
                         help="--engine vllm: generations per engine call in the asynchronous mode (default a quarter "
                              "of the trajectories; 0: all that are ready)")
+    parser.add_argument("--heap", default=None,
+                        help="--env sciworld: each JVM's java heap (e.g. 128m; default the server's -Xmx384m, ~450 MiB "
+                             "resident a JVM, ~200 MiB at 128m)")
     parser.add_argument("--cpu-executor", default="uni", choices=["uni", "mp"],
                         help="--engine vllm: policy_server.cpu_executor of the server")
     args = parser.parse_args()
@@ -85,7 +91,7 @@ def main() -> None:
     config = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, retries=1, backoff_s=0.05)
     rates = {}
     for replicas in (1, 2):
-        with running_replicas(args.env, replicas, **server_options(args.env, args.trajectories)) as url:
+        with running_replicas(args.env, replicas, **server_options(args.env, args.trajectories, args.heap)) as url:
             rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config)
             rollout.run(items, h=2)  # warm-up
             best = 0.0
@@ -103,7 +109,10 @@ def main() -> None:
                                   chat.encode_hits / max(1, chat.encode_hits + chat.encode_misses), 3)}), flush=True)
     print(json.dumps({"speedup_2_vs_1": round(rates[2] / rates[1], 2)}), flush=True)
     per_s = {}
-    with running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
+    with running_replicas(args.env, 1, **server_options(args.env, args.trajectories, args.heap)) as url:
+        # warm-up: the first rollout on a fresh server starts its simulators (a SciWorld JVM each), which would be
+        # charged to whichever mode ran first
+        Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config).run(items, h=2)
         for mode in ("lockstep", "async"):
             cfg = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, mode=mode,
                                 async_batch=max(1, args.trajectories // 4))
@@ -116,7 +125,7 @@ def main() -> None:
             per_s[mode] = best
             print(json.dumps({"mode": mode, "trajectories_per_s": round(best, 2)}), flush=True)
     print(json.dumps({"speedup_async_vs_lockstep": round(per_s["async"] / per_s["lockstep"], 2)}), flush=True)
-    with running_replicas(args.env, 2, **server_options(args.env, args.trajectories)) as url:
+    with running_replicas(args.env, 2, **server_options(args.env, args.trajectories, args.heap)) as url:
         victim = httpx.get(f"{url.split(',')[1]}/health").json()["pid"]
         engine = TurnLeft(tokenizer, REPLIES[args.env],
                           hook=lambda calls: os.kill(victim, signal.SIGKILL) if calls == 2 else None)
@@ -145,7 +154,7 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     per_s: dict[str, list[float]] = {"lockstep": [], "async": []}
     server = PolicyServerConfig(cpu_executor=args.cpu_executor)
     with running_vllm(model_dir, server, max_model_len=budget + new_tokens) as policy_url, \
-            running_replicas(args.env, 1, **server_options(args.env, args.trajectories)) as url:
+            running_replicas(args.env, 1, **server_options(args.env, args.trajectories, args.heap)) as url:
         engine = VLLMEngine(policy_url, tokenizer.eos_token_id)
         # warm-up: every simulator started (SciWorld launches a JVM per instance on its first reset) and warm
         Rollout(args.env, url, engine, tokenizer, RolloutConfig(n_samples=4, max_new_tokens=4, context_budget=budget)
