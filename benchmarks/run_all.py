@@ -85,15 +85,28 @@ def run(bench: Bench) -> dict[str, str]:
             "load": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is empty on most Linux builds); the same
+    code runs ~2x apart on two hosts of this machine's kind, so the doc says which one it ran on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def write(rows: list[dict[str, str]], out: Path, note: str = "") -> None:
     from envs.files import atomic_write
 
     cores = os.cpu_count()
     lines = ["# Benchmarks", "",
              f"Written by `make bench` (`python benchmarks/run_all.py`) on {dt.date.today().isoformat()}: "
-             f"{platform.machine()}, {cores} cores, Python {platform.python_version()}. Load is the 1-minute load "
-             "average before -> after each benchmark (other work on the machine shows there). Sizes are reduced to "
-             "fit ~20 minutes; each command runs alone at full size too.", *(["", note, ""] if note else [""]),
+             f"{platform.machine()} ({cpu_model()}), {cores} cores, Python {platform.python_version()}. Load is the "
+             "1-minute load average before -> after each benchmark (other work on the machine shows there). Sizes are "
+             "reduced to fit ~20 minutes; each command runs alone at full size too.",
+             *(["", note, ""] if note else [""]),
              "| benchmark | figure | target | command | seconds | load |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
               for r in rows]
