@@ -89,9 +89,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model())
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     config = RolloutConfig(n_samples=4, max_new_tokens=16, context_budget=100_000, retries=1, backoff_s=0.05)
+    options = server_options(args.env, args.trajectories, args.heap)  # every server of this run
     rates = {}
     for replicas in (1, 2):
-        with running_replicas(args.env, replicas, **server_options(args.env, args.trajectories, args.heap)) as url:
+        with running_replicas(args.env, replicas, **options) as url:
             rollout = Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config)
             rollout.run(items, h=2)  # warm-up
             best = 0.0
@@ -109,7 +110,7 @@ def main() -> None:
                                   chat.encode_hits / max(1, chat.encode_hits + chat.encode_misses), 3)}), flush=True)
     print(json.dumps({"speedup_2_vs_1": round(rates[2] / rates[1], 2)}), flush=True)
     per_s = {}
-    with running_replicas(args.env, 1, **server_options(args.env, args.trajectories, args.heap)) as url:
+    with running_replicas(args.env, 1, **options) as url:
         # warm-up: the first rollout on a fresh server starts its simulators (a SciWorld JVM each), which would be
         # charged to whichever mode ran first
         Rollout(args.env, url, TurnLeft(tokenizer, REPLIES[args.env]), tokenizer, config).run(items, h=2)
@@ -125,7 +126,7 @@ def main() -> None:
             per_s[mode] = best
             print(json.dumps({"mode": mode, "trajectories_per_s": round(best, 2)}), flush=True)
     print(json.dumps({"speedup_async_vs_lockstep": round(per_s["async"] / per_s["lockstep"], 2)}), flush=True)
-    with running_replicas(args.env, 2, **server_options(args.env, args.trajectories, args.heap)) as url:
+    with running_replicas(args.env, 2, **options) as url:
         victim = httpx.get(f"{url.split(',')[1]}/health").json()["pid"]
         engine = TurnLeft(tokenizer, REPLIES[args.env],
                           hook=lambda calls: os.kill(victim, signal.SIGKILL) if calls == 2 else None)

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from envs.client import tls_context
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,8 +32,6 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
                  path: str = "/health") -> dict[str, Any]:
     """Poll ``url + path`` until it answers 200; fail early if the server process died. Returns the answer's
     JSON ({} when it is not JSON, e.g. an S3 server's XML at ``path="/"``)."""
-    from envs.client import tls_context
-
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0, verify=tls_context()) as http:  # one client for every poll
         while True:
