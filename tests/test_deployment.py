@@ -89,10 +89,15 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         run = prefect("deployment", "run", "scalinginter/babyai", "-p", "profile=smoke", "-p",
                       'overrides={"train.smoke.lr": 2e-05}', "--watch", timeout=1200)  # ~2 min quiet
         assert "Completed" in run, run[-3000:]
-        # a fresh worker: clone from git, dvc pull, train with another setting, record the lineage in both remotes
-        run = prefect("deployment", "run", "scalinginter/babyai-from-git", "-p", 'overrides={"train.smoke.lr": 3e-05}',
+        # a fresh worker: clone from git, dvc pull, rerun what another setting touches (the evaluation's seed:
+        # the pulled checkpoints are up to date, so the phases do not train again), record the lineage in both remotes
+        run = prefect("deployment", "run", "scalinginter/babyai-from-git", "-p", 'overrides={"eval.smoke.seed": 7}',
                       "--watch", timeout=1200)
         assert "Completed" in run, run[-3000:]
+        second = (logs / "worker.log").read_text().split("Running 3 deployment pull step(s)", 1)
+        assert len(second) == 2, (logs / "worker.log").read_text()[-3000:]
+        for k in range(3):  # its phases came from the DVC remote
+            assert f"babyai_phase_{k}: up to date" in second[1], second[1][-3000:]
     finally:
         if worker is not None:
             _stop(worker, (signal.SIGINT, signal.SIGINT))
@@ -110,7 +115,11 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
     # what the fresh worker left, seen from a third working copy with nothing but the two remotes
     third = tmp_path / "third"
     _sh(tmp_path, "git", "clone", "-q", str(origin), str(third))
-    assert "lr: 3.0e-05" in (third / "params.yaml").read_text() or "lr: 3e-05" in (third / "params.yaml").read_text()
+    assert yaml.safe_load((third / "params.yaml").read_text())["eval"]["smoke"]["seed"] == 7
     _sh(third, "dvc", "pull")
-    assert json.loads((third / "runs/babyai/phase-2/final/manifest.json").read_text())["config"]["lr"] == 3e-05
+    assert json.loads((third / "runs/babyai/phase-2/final/manifest.json").read_text())["config"]["lr"] == 2e-05
+    evaluated = yaml.safe_load((third / "dvc.lock").read_text())["stages"]["babyai_eval"]  # evaluated again
+    assert evaluated["params"]["params.yaml"]["eval.smoke"]["seed"] == 7
+    first = yaml.safe_load((work / "dvc.lock").read_text())["stages"]["babyai_eval"]
+    assert evaluated["outs"] != first["outs"] and evaluated["deps"] == first["deps"]  # same checkpoints
     assert "disagreement" not in _sh(third, "scalinginter", "lineage", "babyai")
