@@ -94,8 +94,9 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         run = prefect("deployment", "run", "scalinginter/babyai-from-git", "-p", 'overrides={"eval.smoke.seed": 7}',
                       "--watch", timeout=1200)
         assert "Completed" in run, run[-3000:]
-        second = (logs / "worker.log").read_text().split("Running 3 deployment pull step(s)", 1)
-        assert len(second) == 2, (logs / "worker.log").read_text()[-3000:]
+        worker_log = (logs / "worker.log").read_text()
+        second = worker_log.split("Running 3 deployment pull step(s)", 1)
+        assert len(second) == 2, worker_log[-3000:]
         for k in range(3):  # its phases came from the DVC remote
             assert f"babyai_phase_{k}: up to date" in second[1], second[1][-3000:]
     finally:

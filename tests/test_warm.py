@@ -101,7 +101,7 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     assert "pairs" in records[3].trained
     # what each stage trained on is in the store beside its checkpoint
     expert = [json.loads(line) for line in (work / "runs/babyai/warm-0/episodes.jsonl").open()]
-    assert len(expert) == 4 and all(e["source"] == "expert" for e in expert)
+    assert len(expert) == WARM[0]["items"] and all(e["source"] == "expert" for e in expert)
     assert all(e["input_ids"] and e["assistant_spans"] and e["tokenizer"] for e in expert)  # the store's token ids
     rft_round = read_manifest(work / "runs/babyai/warm-2/round-1")
     assert rft_round["recorded_token_ids"] == rft_round["kept"] > 0  # RFT trained on the very tokens it sampled
