@@ -223,33 +223,13 @@ def build_model(
     random Qwen2), or a hub preset's weights and tokenizer written once (needs the hub, or its cache)."""
     from pathlib import Path
 
-    from envs.corpus import read_corpus
     from training.layout import base_model
-    from training.model import PRESETS, build_tiny, materialize_gguf, materialize_hub
+    from training.model import build_base
 
-    if preset not in PRESETS:
-        _fail(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    target = Path(out) if out else base_model(preset)
-    if PRESETS[preset].gguf_file is not None:
-        try:
-            path = materialize_gguf(preset, target)
-        except (OSError, ImportError) as err:
-            _fail(str(err))
-        console.print(f"wrote {preset} (dequantised {PRESETS[preset].gguf_file}) to {path}")
-        return
-    if PRESETS[preset].hub_id is not None:
-        try:
-            path = materialize_hub(preset, target)
-        except OSError as err:
-            _fail(str(err))
-        console.print(f"wrote {PRESETS[preset].hub_id} to {path}")
-        return
     try:
-        texts = read_corpus(Path(corpus))
-    except (FileNotFoundError, ValueError) as err:
+        console.print(build_base(preset, Path(out) if out else base_model(preset), seed, Path(corpus)))
+    except (OSError, ImportError, ValueError) as err:
         _fail(str(err))
-    path = build_tiny(texts, target, seed=seed, preset=PRESETS[preset])
-    console.print(f"wrote {preset} model to {path} ({len(texts)} corpus texts from {corpus})")
 
 
 @app.command("train-phase")
@@ -610,7 +590,7 @@ def lineage(env: EnvArg) -> None:
     from rich.table import Table
 
     from envs.paths import project_root
-    from flows.lineage import lineage as read_lineage
+    from training.lineage import lineage as read_lineage
 
     try:
         records, problems, revision = read_lineage(env, project_root())
@@ -663,8 +643,8 @@ def eval_cmd(
     """Evaluate the base model and every phase checkpoint of ENV: Avg@k, Pass@k, success, per sub-task."""
     from rich.table import Table
 
-    from flows.evaluation import run_eval
     from training.config import ConfigError
+    from training.eval_stage import run_eval
     from training.layout import Run
 
     _check_env(env)
@@ -700,8 +680,8 @@ def eval_outside_cmd(
     SCALINGINTER_API_KEY (or OPENAI_API_KEY), never from the command line, and is never logged."""
     from pathlib import Path
 
-    from flows.evaluation import run_outside_eval
     from training.config import ConfigError
+    from training.eval_stage import run_outside_eval
     from training.layout import Run
     from training.vllm_engine import EngineError
 
@@ -727,8 +707,8 @@ def report(
     from pathlib import Path
 
     from envs.paths import project_root
-    from flows.report import ENV_NAMES, write_report
     from training.layout import Run, report_file
+    from training.report import ENV_NAMES, write_report
 
     root = project_root()
     if envs:

@@ -47,7 +47,7 @@ ENV_CORE = [f"envs/{name}.py" for name in ("base", "client", "instances", "launc
                                            "server", "splits")]
 TRAIN_CODE = ["training", *ENV_CORE]
 EVAL_CODE = ["training/evaluate.py", "training/rollout.py", "training/engine.py", "training/vllm_engine.py",
-             "training/vllm_worker.py", "training/model.py", "flows/evaluation.py", *ENV_CORE]
+             "training/vllm_worker.py", "training/model.py", "training/eval_stage.py", *ENV_CORE]
 #: stage commands run the working copy's own code (``python -m``; a queued experiment's snapshot, not the
 #: editable install's checkout)
 CLI = "python -m flows.cli"
@@ -187,8 +187,9 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 baseline_metrics.append(str(fixed.eval_metrics))
         out[f"{env}_report"] = {
             "cmd": f"{CLI} report {env}",
-            "deps": [str(run.eval_metrics), *baseline_metrics, *warm_folders, *finals, "flows/report.py",
-                     "flows/report_template.html", "data/paper_results.json"],
+            "deps": [str(run.eval_metrics), *baseline_metrics, *warm_folders, *finals, "training/report.py",
+                     "training/report_template.html", "training/lineage.py",
+                     "data/paper_results.json"],
             "outs": [{str(report_file(env)): {"cache": False}}],
         }
     return out

@@ -8,7 +8,9 @@ in the flow's warm process when it is the only stale stage (then recorded with `
 and an interrupted phase resumes from its intra-phase checkpoint. Evaluation and the report are DVC
 stages too. The environment server is provisioned once (with retries and a health check) and always torn down;
 so is the vLLM server when ``train`` or ``eval`` samples with the ``vllm`` engine (started on the base model;
-each phase and the evaluation load their own weights into it and verify them with the probe).
+each phase and the evaluation load their own weights into it and verify them with the probe). The data splits
+and the base model stage run first, so that on a first run too every later stage (warm start, phases, evaluation,
+report) is the only stale one of its chain when its turn comes, and runs in the flow's process.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tasks.pipeline import (
     run_warm_stage,
     teardown_server,
     version,
+    write_data_splits,
 )
 from training.config import (
     MIXED,
@@ -111,6 +114,10 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
     curriculum = curriculum_config(env, profile, params)
     phases = curriculum.phases()
     components = mixed_components(env, params)  # [env], or the environments of the mixed run
+    # first, so that each later stage is the only stale one of its chain and runs in this process
+    for e in components:
+        write_data_splits(e)
+    base = build_base_model()
     if env_urls:  # servers that already run (other machines): used as they are, never torn down here
         url, pids = (",".join(env_urls) if len(components) == 1 else ";".join(env_urls)), []
     elif len(components) == 1:
@@ -133,7 +140,6 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             server = policy_server_config(params)
             length = max(server.max_len(train.context_budget, train.max_new_tokens),
                          server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
-            base = build_base_model()  # the server starts on the base model, which a first run has yet to build
             policy_url, policy_pid = provision_policy_server(base, server, length,
                                                              train.lora.r if train.lora is not None else None)
         rows, warm = [], []

@@ -14,10 +14,10 @@ from prefect import task
 
 from envs.launcher import start_server, stop_server
 from envs.paths import project_root
-from tasks.stages import run_command, run_stage, server_env
+from tasks.stages import Outcome, run_command, run_stage
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec, warm_spec
-from training.layout import Run, report_file
+from training.config import PolicyServerConfig, ServerConfig, load_params, phase_spec, warm_spec
+from training.layout import Run, base_model, report_file
 from training.phase import run_phase as train_one_phase
 from training.warm import checkpoint_of
 
@@ -60,6 +60,15 @@ def push_artifacts() -> bool:
     return True
 
 
+#: how a stage came up to date, as the flow's log says it
+HOW = {"in_process": "ran (in process, recorded by dvc commit)", "subprocess": "ran (dvc repro)",
+       "skipped": "up to date"}
+
+
+def _say(stage: str, outcome: Outcome) -> None:
+    print(f"{stage}: {HOW[outcome]}")
+
+
 #: the servers the provision tasks started, by pid, with the function that stops each
 _servers: dict[int, tuple[subprocess.Popen, Callable[[subprocess.Popen], None]]] = {}
 
@@ -86,10 +95,35 @@ def provision_env_server(env: str, server: ServerConfig) -> tuple[str, list[int]
 
 
 @task
+def write_data_splits(env: str) -> None:
+    """Bring ``env``'s task splits (stage ``splits@<env>``) up to date, in this process when only they are stale."""
+    from envs.registry import load_backend
+    from envs.splits import write_splits
+
+    seed = int(load_params(project_root() / "params.yaml").get("splits", {}).get("seed", 0))
+
+    def work() -> None:
+        backend = load_backend(env)
+        try:
+            write_splits(env, backend, seed=seed)
+        finally:
+            backend.shutdown()
+
+    _say(f"splits@{env}", run_stage(project_root(), f"splits@{env}", work=work))
+
+
+@task
 def build_base_model() -> Path:
-    """Bring the base model stage up to date (``dvc repro build_model``); returns the model folder."""
-    _run(["dvc", "repro", "build_model"])
-    return base_model_dir(load_params(project_root() / "params.yaml"), project_root())
+    """Bring the base model stage up to date (``build_model``: in this process when only it is stale, as
+    :func:`run_phase` does); returns the model folder."""
+    from training.model import build_base
+
+    root = project_root()
+    model = load_params(root / "params.yaml").get("model", {})
+    preset, seed = str(model.get("preset", "tiny")), int(model.get("seed", 0))
+    _say("build_model", run_stage(root, "build_model",
+                                  work=lambda: print(build_base(preset, base_model(preset), seed))))
+    return base_model(preset, root)
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
@@ -156,15 +190,23 @@ def run_warm_stage(env: str, index: int, url: str) -> dict:
 
 @task
 def evaluate_run(env: str, url: str, policy_url: str | None = None) -> dict:
-    """Run (or skip, if up to date) the evaluation stage: base model and every phase checkpoint."""
-    _run(["dvc", "repro", f"{env}_eval"], env=server_env(url, policy_url))
+    """Run (or skip, if up to date) the evaluation stage, base model and every phase checkpoint, against the
+    provisioned servers; in this process when only it is stale (:mod:`tasks.stages`), else by ``dvc repro``."""
+    from training.eval_stage import run_eval
+
+    _say(f"{env}_eval", run_stage(project_root(), f"{env}_eval", url, policy_url=policy_url,
+                                  work=lambda: run_eval(env, url=url, root=Path("."), policy_url=policy_url,
+                                                        progress=lambda name: print(f"evaluating {name} ..."))))
     return json.loads(Run(env, root=project_root()).eval_metrics.read_text())
 
 
 @task
 def build_report(env: str) -> Path:
-    """Run (or skip) the report stage; returns the HTML page."""
-    _run(["dvc", "repro", f"{env}_report"])
+    """Run (or skip) the report stage, in this process when only it is stale; returns the HTML page."""
+    from training.report import write_report
+
+    _say(f"{env}_report", run_stage(project_root(), f"{env}_report",
+                                    work=lambda: write_report([env], report_file(env), Path("."))))
     return report_file(env, project_root())
 
 

@@ -43,15 +43,17 @@ def run_command(cmd: list[str], root: Path, env: dict[str, str] | None = None, s
     return clean(done.stdout)
 
 
-def server_env(url: str, policy_url: str | None = None) -> dict[str, str]:
+def server_env(url: str | None, policy_url: str | None = None) -> dict[str, str]:
     """The environment variables that point a stage's command at already running servers."""
-    return {"SCALINGINTER_ENV_URL": url, **({"SCALINGINTER_VLLM_URL": policy_url} if policy_url else {})}
+    return {**({"SCALINGINTER_ENV_URL": url} if url else {}),
+            **({"SCALINGINTER_VLLM_URL": policy_url} if policy_url else {})}
 
 
-def run_stage(root: Path, stage: str, url: str, work: Callable[[], object] | None = None,
+def run_stage(root: Path, stage: str, url: str | None = None, work: Callable[[], object] | None = None,
               policy_url: str | None = None) -> Outcome:
     """Bring ``stage`` up to date like ``dvc repro <stage>``; with ``work``, in this process when only it is stale.
-    ``url`` (and ``policy_url``, the vllm engine's server) are the servers it uses, however it runs."""
+    ``url`` (and ``policy_url``, the vllm engine's server) are the servers it uses, however it runs (none for a
+    stage that needs no server: the base model, the report)."""
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:

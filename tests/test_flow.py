@@ -17,14 +17,19 @@ from tests.test_pipeline import _ran, _sh, _workspace
 def _phase_locks(work: Path) -> dict:
     import yaml
 
-    from flows.lineage import lineage
+    from training.lineage import lineage
 
     stages = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
     records, problems, _ = lineage("babyai", work)
     assert problems == []
-    # deps, params and the checkpoints' own hashes (their weights: manifests and dvclive files hold timings)
-    return {name: ([d for d in entry["deps"] if not d["path"].endswith("/final")], entry["params"])
-            for name, entry in stages.items() if name.startswith("babyai_phase_")}, \
+    # deps, params and the checkpoints' own hashes (their weights: manifests and dvclive files hold timings); the
+    # splits, the base model and the evaluation whole (their outputs hold no timings)
+    phases = {name: ([d for d in entry["deps"] if not d["path"].endswith("/final")], entry["params"])
+              for name, entry in stages.items() if name.startswith("babyai_phase_")}
+    evaluation = stages["babyai_eval"]
+    whole = {name: stages[name] for name in ("splits@babyai", "build_model")}
+    return phases, whole, ([d for d in evaluation["deps"] if not d["path"].endswith("/final")],
+                           evaluation["params"], evaluation["outs"]), \
         [(r.stage, r.h, r.steps, r.parent, r.own) for r in records]
 
 
@@ -58,12 +63,17 @@ def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
     rows = (work / "runs/babyai/phase-1/dvclive/plots/metrics/reward/mean.tsv").read_text().splitlines()[1:]
     assert [r.split("\t")[0] for r in rows] == ["2", "3"]  # phase 1 resumed at step 3, logged once each
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
-    # phases 1 and 2 trained in the flow's process and were recorded by dvc commit: plain DVC agrees with them
-    assert "babyai_phase_2: trained (in process" in log
+    # every stage ran in the flow's process and was recorded by dvc commit (the splits, the base model and phase 0
+    # in the killed run): plain DVC agrees with them
+    for stage in ("babyai_phase_2: trained", "babyai_eval: ran", "babyai_report: ran"):
+        assert f"{stage} (in process" in log, log[-3000:]
+    for stage in ("splits@babyai", "build_model"):
+        assert f"{stage}: up to date" in log
     assert "up to date" in _sh(work, "dvc", "status", "--with-deps", "babyai_report")
     assert not _ran(_sh(work, "dvc", "repro", "babyai_report"))
     plain = _workspace(tmp_path, name="plain")
-    _sh(plain, "dvc", "repro", "babyai_phase_2")
+    assert {"splits@babyai", "build_model", "babyai_phase_2", "babyai_eval"} <= set(
+        _ran(_sh(plain, "dvc", "repro", "babyai_eval")))
     assert _phase_locks(work) == _phase_locks(plain)  # same deps, params and bitwise equal outputs
     history = subprocess.run(["git", "log", "--format=%s"], cwd=work, capture_output=True, text=True).stdout
     assert "scalinginter babyai (smoke): 3 phases" in history

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.report import render, report_data
+from training.report import render, report_data
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

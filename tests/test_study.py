@@ -98,8 +98,8 @@ def test_the_summary_pairs_items_and_prices_the_tokens(tmp_path) -> None:
 def test_the_report_draws_the_curriculum_study(tmp_path) -> None:
     from playwright.sync_api import sync_playwright
 
-    from flows.report import render, report_data
     from tests.test_report import CHROMIUM, FLAGS
+    from training.report import render, report_data
 
     test_the_summary_pairs_items_and_prices_the_tokens(tmp_path)
     data = report_data(["babyai"])

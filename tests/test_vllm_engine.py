@@ -338,7 +338,7 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     an outside one): the key comes from SCALINGINTER_API_KEY, a wrong one is a clear error that never shows it."""
     import shutil
 
-    from flows.evaluation import run_outside_eval
+    from training.eval_stage import run_outside_eval
 
     key = "sk-test-0123456789"
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")

@@ -77,8 +77,8 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     agrees with dvc.lock, the evaluation covers every checkpoint, and a changed DPO setting reruns DPO and what
     follows it, never SFT nor RFT."""
     from flows.dvc_pipeline import set_params
-    from flows.lineage import lineage
     from tests.test_pipeline import _ran, _sh, _workspace
+    from training.lineage import lineage
 
     work = _workspace(tmp_path, one_step_phases=1)
     set_params({"curriculum.babyai.profiles.smoke.warm_start": WARM}, work)

@@ -171,6 +171,25 @@ def materialize_hub(preset: str, out_dir: Path) -> Path:
     return write_base(out_dir, model, tokenizer, {"preset": preset, "source": PRESETS[preset].hub_id})
 
 
+def build_base(preset: str, out_dir: Path, seed: int = 0, corpus: Path | None = None) -> str:
+    """What the ``build_model`` stage does: write ``preset``'s base model to ``out_dir`` (the tiny policy from the
+    tokenizer ``corpus`` and ``seed``, a packaged GGUF dequantised, or a hub model); returns what it wrote. An
+    unknown preset is a ValueError; a missing corpus, package or hub an OSError naming what to do."""
+    from envs.corpus import CORPUS_FILE, read_corpus
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    if spec.gguf_file is not None:
+        return f"wrote {preset} (dequantised {spec.gguf_file}) to {materialize_gguf(preset, out_dir)}"
+    if spec.hub_id is not None:
+        return f"wrote {spec.hub_id} to {materialize_hub(preset, out_dir)}"
+    corpus = corpus or Path(CORPUS_FILE)
+    texts = read_corpus(corpus)
+    path = build_tiny(texts, out_dir, seed=seed, preset=spec)
+    return f"wrote {preset} model to {path} ({len(texts)} corpus texts from {corpus})"
+
+
 def load_policy(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:

@@ -1,8 +1,11 @@
-"""``scalinginter eval``: the base model and every phase checkpoint of a run, on the same test items.
+"""The evaluation stage (``<env>_eval``, ``scalinginter eval``): the base model and every checkpoint of a run on
+the same test items.
 
 Writes ``runs/<env>/eval/metrics.json`` (DVC metrics: Avg@k, Pass@k and success rate with 95% bootstrap
 CIs, overall and per sub-task, for each checkpoint) and ``per_item.json`` (every sample's success and
-reward, for paired comparisons). Sampling settings come from params.yaml ``eval.<profile>``.
+reward, for paired comparisons). Sampling settings come from params.yaml ``eval.<profile>``. The stage's
+command, the CLI and the Prefect flow (in its own process, ``tasks.pipeline.evaluate_run``) all call
+:func:`run_eval`; :mod:`training.evaluate` does the sampling and the statistics.
 """
 
 from __future__ import annotations
@@ -81,9 +84,12 @@ def stratified_head(records: list[dict[str, Any]], n: int | None) -> list[dict[s
 
 
 def run_eval(env: str, profile: str | None = None, url: str | None = None, root: Path | None = None,
-             progress: Callable[[str], None] | None = None, baseline: int | None = None) -> dict[str, Any]:
+             progress: Callable[[str], None] | None = None, baseline: int | None = None,
+             policy_url: str | None = None) -> dict[str, Any]:
     """Evaluate every checkpoint of ``env``'s run (or of its fixed-h ``baseline``); write metrics.json and
-    per_item.json; return the metrics."""
+    per_item.json; return the metrics. ``url``: environment servers that already run (else started here);
+    ``policy_url``: a vLLM server that already runs, for ``engine: vllm`` (else ``SCALINGINTER_VLLM_URL``, else
+    started here on the first checkpoint)."""
     root = root or project_root()
     params = load_params(root / "params.yaml")
     config = eval_config(env, profile, params)
@@ -93,7 +99,7 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     if env == MIXED:
         result = _run_mixed_eval(params, profile, config, h, url, folders, progress)
     else:
-        result = _run_single_eval(env, params, config, h, url, folders, progress)
+        result = _run_single_eval(env, params, config, h, url, folders, progress, policy_url)
     for name, folder in folders.items():
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
@@ -107,7 +113,8 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
 
 
 def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url: str | None,
-                     folders: dict[str, Path], progress: Callable[[str], None] | None) -> dict[str, Any]:
+                     folders: dict[str, Path], progress: Callable[[str], None] | None,
+                     policy_url: str | None = None) -> dict[str, Any]:
     items = stratified_head(load_split(env, "test"), config.items)
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
@@ -116,9 +123,10 @@ def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url:
         batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
         budget = config.context_budget or 8192
         server = policy_server_config(params)
-        policy_url = None
-        if config.engine == "vllm":  # one server, loaded with each checkpoint in turn
-            policy_url = os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
+        if config.engine != "vllm":
+            policy_url = None
+        else:  # one server, loaded with each checkpoint in turn
+            policy_url = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
                 running_vllm(next(iter(folders.values())), server, server.max_len(budget, config.max_new_tokens)))
         result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,

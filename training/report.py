@@ -73,7 +73,7 @@ def _phases(run: Path) -> list[dict[str, Any]]:
 
 
 def _lineage(env: str, root: Path) -> dict[str, Any]:
-    from flows.lineage import lineage
+    from training.lineage import lineage
 
     try:
         records, problems, revision = lineage(env, root)
