@@ -146,14 +146,11 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
         for k, stage in enumerate(pipeline_stages(curriculum.warm_start)):  # sft / rft rounds / dpo before the RL
             print(f"warm start {k}: {stage.method}")
             warm.append(run_warm_stage(env, k, url))
-            print(f"{warm[-1]['stage']}: {'trained' if warm[-1]['ran'] else 'up to date'}")
         for phase in phases:
             print(f"phase {phase.index}: h={phase.h}, steps {phase.first_step}..{phase.last_step}")
             started = time.perf_counter()
             rows.append(run_phase(env, phase.index, url, policy_url))
             rows[-1]["task_seconds"] = round(time.perf_counter() - started, 3)  # with Prefect's own share
-            how = {"in_process": "trained (in process, recorded by dvc commit)", "subprocess": "trained (dvc repro)"}
-            print(f"{rows[-1]['stage']}: {how.get(rows[-1]['how'], 'up to date')}")
         results = evaluate_run(env, url, policy_url)
     finally:
         for pid in pids:

@@ -16,8 +16,8 @@ from envs.launcher import start_server, stop_server
 from envs.paths import project_root
 from tasks.stages import Outcome, run_command, run_stage
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, ServerConfig, load_params, phase_spec, warm_spec
-from training.layout import Run, base_model, report_file
+from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec, warm_spec
+from training.layout import Run, report_file
 from training.phase import run_phase as train_one_phase
 from training.warm import checkpoint_of
 
@@ -60,13 +60,10 @@ def push_artifacts() -> bool:
     return True
 
 
-#: how a stage came up to date, as the flow's log says it
-HOW = {"in_process": "ran (in process, recorded by dvc commit)", "subprocess": "ran (dvc repro)",
-       "skipped": "up to date"}
-
-
-def _say(stage: str, outcome: Outcome) -> None:
-    print(f"{stage}: {HOW[outcome]}")
+def _say(stage: str, outcome: Outcome, verb: str = "ran") -> None:
+    """Log how ``stage`` came up to date (``babyai_phase_1: trained (in process, recorded by dvc commit)``)."""
+    how = {"in_process": f"{verb} (in process, recorded by dvc commit)", "subprocess": f"{verb} (dvc repro)"}
+    print(f"{stage}: {how.get(outcome, 'up to date')}")
 
 
 #: the servers the provision tasks started, by pid, with the function that stops each
@@ -119,11 +116,11 @@ def build_base_model() -> Path:
     from training.model import build_base
 
     root = project_root()
-    model = load_params(root / "params.yaml").get("model", {})
-    preset, seed = str(model.get("preset", "tiny")), int(model.get("seed", 0))
-    _say("build_model", run_stage(root, "build_model",
-                                  work=lambda: print(build_base(preset, base_model(preset), seed))))
-    return base_model(preset, root)
+    params = load_params(root / "params.yaml")
+    folder = base_model_dir(params)  # models/<model.preset>, relative, as the stage writes it
+    seed = int(params.get("model", {}).get("seed", 0))
+    _say("build_model", run_stage(root, "build_model", work=lambda: print(build_base(folder.name, folder, seed))))
+    return root / folder
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
@@ -156,6 +153,7 @@ def run_phase(env: str, index: int, url: str, policy_url: str | None = None) -> 
     started = time.perf_counter()
     outcome = run_stage(project_root(), stage, url, policy_url=policy_url,
                         work=lambda: train_one_phase(phase_spec(env, index, Path(".")), url, policy_url=policy_url))
+    _say(stage, outcome, "trained")
     seconds = time.perf_counter() - started
     run = Run(env, root=project_root())
     manifest = read_manifest(run.final(index))
@@ -180,6 +178,7 @@ def run_warm_stage(env: str, index: int, url: str) -> dict:
 
     started = time.perf_counter()
     outcome = run_stage(project_root(), stage, url, work=work)
+    _say(stage, outcome, "trained")
     spec, _, folder = warm_spec(env, index, project_root())
     manifest = read_manifest(checkpoint_of(folder, spec))
     return {"stage": stage, "ran": outcome != "skipped", "how": outcome, "h": manifest.get("h", "-"),
