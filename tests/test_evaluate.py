@@ -60,6 +60,22 @@ def test_evaluation_is_reproducible_same_checkpoint_same_seed_same_numbers(env_s
     assert other != first["per_item"]  # and the seed matters
 
 
+def test_the_prefix_cache_changes_no_outcome_and_skips_the_repeated_prefill(env_server, tiny_model_dir) -> None:
+    from envs.splits import load_split
+    from training.evaluate import evaluate_checkpoints
+
+    items = load_split("babyai", "test")[:3]
+
+    def run(prefix_cache_gb: float) -> dict:
+        return evaluate_checkpoints({"base": tiny_model_dir}, "babyai", env_server("babyai"), items, h=3, k=2,
+                                    temperature=1.0, max_new_tokens=8, seed=0, prefix_cache_gb=prefix_cache_gb)
+
+    whole, cached = run(0.0)["checkpoints"]["base"], run(0.5)["checkpoints"]["base"]
+    assert cached["per_item"] == whole["per_item"]
+    # each later turn prefilled only what the turn before added
+    assert cached["prefix_reused_tokens"] > 0 and whole["prefix_reused_tokens"] == 0
+
+
 def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env_server, bandit_warm_start,
                                                                               monkeypatch) -> None:
     from envs.splits import load_split

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
+import random
 
 import pytest
 import torch
@@ -92,6 +95,69 @@ def test_engine_sampling_is_seeded_and_stops_at_end_of_turn(tiny_policy) -> None
         assert tokenizer.eos_token_id not in g.token_ids[:-1]
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def _conversation(engine: HFEngine, params: SamplingParams, turns: int = 4, diverge: int | None = None
+                  ) -> list[list]:
+    """Six conversations of ``turns`` turns, each turn's prompt its last prompt, its reply and a new observation;
+    at turn ``diverge`` the first conversation loses its first tokens (as the context clamp drops them)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 400) for _ in range(rng.randrange(40, 160))] for _ in range(6)]
+    out = []
+    for turn in range(turns):
+        if turn == diverge:
+            prompts[0] = prompts[0][10:]
+        gens = engine.generate(prompts, dataclasses.replace(params, seed=turn))
+        out.append(gens)
+        prompts = [p + g.token_ids + [rng.randrange(5, 400) for _ in range(rng.randrange(10, 60))]
+                   for p, g in zip(prompts, gens, strict=True)]
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_cache_gives_the_whole_prefills_tokens_and_logprobs(tiny_policy, temperature: float) -> None:
+    model, tokenizer = tiny_policy
+    params = SamplingParams(max_new_tokens=12, temperature=temperature)
+    plain = _conversation(HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id), params, diverge=2)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=0.5)
+    cached = _conversation(engine, params, diverge=2)
+    for turn_plain, turn_cached in zip(plain, cached, strict=True):
+        assert [g.token_ids for g in turn_cached] == [g.token_ids for g in turn_plain]
+        for a, b in zip(turn_plain, turn_cached, strict=True):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    cache = engine.prefix_cache
+    # every later turn continues its conversation's cached sequence, but the one whose start was dropped (whose
+    # old entry stays until the budget drops it)
+    assert (cache.hits, cache.misses) == (6 * 3 - 1, 6 + 1)
+    assert cache.reused_tokens > 0 and len(cache.entries) == 7
+
+
+def test_prefix_cache_is_emptied_when_the_weights_change(tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    model = copy.deepcopy(model)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=0.5)
+    prompt = tokenizer("Your goal: go to the red ball")["input_ids"]
+    first = engine.generate([prompt], params)[0]
+    follow = prompt + first.token_ids + tokenizer("There is a red ball 1 2 steps in front of you.")["input_ids"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model.train()
+    model(torch.tensor([follow]), labels=torch.tensor([follow])).loss.backward()
+    optimizer.step()
+    model.eval()
+    after = engine.generate([follow], params)[0]
+    assert engine.prefix_cache.hits == 0  # the KV of the old weights was dropped, not reused
+    fresh = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate([follow], params)[0]
+    assert after.token_ids == fresh.token_ids and after.logprobs == fresh.logprobs
+
+
+def test_prefix_cache_keeps_to_its_budget(tiny_policy) -> None:
+    model, tokenizer = tiny_policy
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=1e-3)  # ~1 MB
+    _conversation(engine, SamplingParams(max_new_tokens=12, temperature=0), turns=2)
+    cache = engine.prefix_cache
+    assert 0 < len(cache.entries) < 6 and cache.nbytes <= cache.max_bytes
+    assert cache.nbytes == sum(e.nbytes for e in cache.entries.values())
 
 
 def test_committed_corpus_covers_every_environment_and_builds_the_same_model_twice(tmp_path) -> None:

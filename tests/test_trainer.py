@@ -134,6 +134,8 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     for name in ("reward", "success", "turns", "actor", "timing_s", "perf", "curriculum", "rollout", "env"):
         assert name in metrics, name
     assert metrics["curriculum"]["h"] == 2 and "termination" in metrics["rollout"]
+    # the second turn of each trajectory prefilled only what its first turn added (the hf engine's prefix cache)
+    assert metrics["rollout"]["prefix_reused_tokens"] > 0
     assert {"entropy", "kl", "pg_loss", "pg_clipfrac", "grad_norm", "lr"} <= set(metrics["actor"])
     rows = (tmp_path / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
     assert rows[0].split("\t")[0] == "step" and [r.split("\t")[0] for r in rows[1:]] == ["0", "1"]

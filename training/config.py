@@ -32,6 +32,12 @@ class MixShare(BaseModel):
     sub_tasks: list[str] | None = Field(None, description="its items from these sub-tasks only")
 
 
+PREFIX_CACHE_GB = 1.0
+PREFIX_CACHE_HELP = ("hf engine: GiB of KV kept from each sequence's turn, so that the next turn of its conversation "
+                     "prefills only the tokens added since (0: the whole context again each turn; the same tokens and "
+                     "log-probs within float rounding)")
+
+
 class TrainConfig(BaseModel):
     """Everything one curriculum phase needs besides its h and step count."""
 
@@ -58,6 +64,7 @@ class TrainConfig(BaseModel):
     # rollout
     max_new_tokens: int = Field(48, ge=1)
     context_budget: int = Field(2048, ge=16)
+    prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
     max_trajectory_tokens: int | None = Field(None, ge=1, description="generated tokens per trajectory, all its "
                                               "turns together (None: no bound beyond h and the context clamp)")
     max_trajectory_seconds: float | None = Field(None, gt=0, description="wall-clock seconds per trajectory from "
@@ -263,6 +270,7 @@ class EvalConfig(BaseModel):
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N] (SCALINGINTER_DEVICE wins: placement)")
     engine: Literal["hf", "vllm"] = Field("hf", description="who samples: transformers' generate, or a vLLM server "
                                           "loaded with each checkpoint in turn (verified by the probe)")
+    prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
 
 
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:

@@ -132,7 +132,7 @@ def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url:
                                       max_new_tokens=config.max_new_tokens, seed=config.seed,
                                       batch_items=batch_items, progress=progress, context_budget=budget,
                                       device=config.device, policy_url=policy_url,
-                                      policy_server=server)
+                                      policy_server=server, prefix_cache_gb=config.prefix_cache_gb)
     return result
 
 
@@ -154,7 +154,8 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
         return evaluate_mixed_checkpoints(folders, parts, k=config.k, temperature=config.temperature,
                                           max_new_tokens=config.max_new_tokens, seed=config.seed,
                                           batch_items=config.batch_items, progress=progress,
-                                          context_budget=config.context_budget or 8192, device=config.device)
+                                          context_budget=config.context_budget or 8192, device=config.device,
+                                          prefix_cache_gb=config.prefix_cache_gb)
 
 
 def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path, profile: str | None = None,

@@ -57,6 +57,7 @@ class EvalResult:
     turns: dict[str, list[int]] = field(default_factory=dict)  # per item, per sample: turns taken
     termination: dict[str, list[str]] = field(default_factory=dict)  # per item, per sample: what ended it
     generated_tokens: int = 0
+    prefix_reused_tokens: int = 0  # hf engine: prompt tokens whose KV came from the conversation's last turn
 
     @property
     def success_rate(self) -> float:
@@ -82,7 +83,7 @@ class EvalResult:
 def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
              temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4,
              context_budget: int = 8192, device: str = "cpu", policy_url: str | None = None,
-             policy_server: PolicyServerConfig | None = None) -> EvalResult:
+             policy_server: PolicyServerConfig | None = None, prefix_cache_gb: float = 0.0) -> EvalResult:
     """Roll out ``k`` samples per item at turn cap ``h`` (and at most ``context_budget`` tokens, as in training)
     with the model on ``device``, and collect success and reward. With ``policy_url`` (the vllm engine), the vLLM
     server there is loaded with ``model_dir`` (as ``policy_server.weight_transfer`` says) and verified against it
@@ -95,7 +96,7 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
     sync = None
     engine: PolicyEngine
     if policy_url is None:
-        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=prefix_cache_gb)
     else:
         from training.vllm_engine import WeightSync
 
@@ -107,7 +108,10 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
     try:
-        return _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
+        result = _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
+        cache = getattr(engine, "prefix_cache", None)
+        result.prefix_reused_tokens = cache.reused_tokens if cache is not None else 0
+        return result
     finally:
         if sync is not None:
             sync.close()
@@ -182,7 +186,8 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
                          k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
                          progress: Callable[[str], None] | None = None, context_budget: int = 8192,
                          device: str = "cpu", policy_url: str | None = None,
-                         policy_server: PolicyServerConfig | None = None) -> dict[str, Any]:
+                         policy_server: PolicyServerConfig | None = None, prefix_cache_gb: float = 0.0
+                         ) -> dict[str, Any]:
     """Evaluate each named checkpoint on the same items with the same seed: the metrics a report shows.
 
     ``items`` are split records (``item_id`` and ``sub_task``). Every checkpoint sees the same items,
@@ -198,15 +203,16 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
             progress(name)
         result = evaluate(folder, env, url, ids, h=h, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           seed=seed, batch_items=batch_items, context_budget=context_budget, device=device,
-                          policy_url=policy_url, policy_server=policy_server)
-        out["checkpoints"][name] = {"path": str(folder)} | summarise(result, sub_tasks)
+                          policy_url=policy_url, policy_server=policy_server, prefix_cache_gb=prefix_cache_gb)
+        out["checkpoints"][name] = ({"path": str(folder)} | summarise(result, sub_tasks)
+                                    | {"prefix_reused_tokens": result.prefix_reused_tokens})
     return out
 
 
 def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tuple[str, list[dict[str, Any]], int]],
                                k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
                                progress: Callable[[str], None] | None = None, context_budget: int = 8192,
-                               device: str = "cpu") -> dict[str, Any]:
+                               device: str = "cpu", prefix_cache_gb: float = 0.0) -> dict[str, Any]:
     """:func:`evaluate_checkpoints` for one policy over several environments: ``parts`` maps each environment to
     (its server URL, its test items, its turn cap). Each checkpoint is evaluated on every environment; the
     summary pools all items (tagged ``<env>:<id>``) and its ``sub_tasks`` are the environments, so each
@@ -223,10 +229,12 @@ def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tu
         for env, (url, items, h) in parts.items():
             result = evaluate(folder, env, url, [r["item_id"] for r in items], h=h, k=k, temperature=temperature,
                               max_new_tokens=max_new_tokens, seed=seed, batch_items=batch_items,
-                              context_budget=context_budget, device=device)
+                              context_budget=context_budget, device=device, prefix_cache_gb=prefix_cache_gb)
             for field_name in ("success", "reward", "turns", "termination"):
                 getattr(merged, field_name).update({f"{env}:{i}": v for i, v in getattr(result, field_name).items()})
             merged.generated_tokens += result.generated_tokens
+            merged.prefix_reused_tokens += result.prefix_reused_tokens
         sub_tasks = {f"{env}:{r['item_id']}": env for env, (_, items, _) in parts.items() for r in items}
-        out["checkpoints"][name] = {"path": str(folder)} | summarise(merged, sub_tasks)
+        out["checkpoints"][name] = ({"path": str(folder)} | summarise(merged, sub_tasks)
+                                    | {"prefix_reused_tokens": merged.prefix_reused_tokens})
     return out

@@ -190,7 +190,11 @@ class PhaseTrainer:
                 engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
             self.strategy.barrier()
         else:
-            engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+            # ZeRO-3 keeps the weights outside the module's parameters, where the cache cannot see them change
+            zero3 = config.strategy == "deepspeed" and config.zero_stage == 3
+            engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                              prefix_cache_gb=0.0 if zero3 else config.prefix_cache_gb)
+        self.prefix_cache = getattr(engine, "prefix_cache", None)  # hf engine: KV kept between turns
         self.stale = False  # the actor changed since the server's last sync
         # max_staleness 1: the next step's rollout, generated while this step updates (its items already taken)
         self.prefetched: tuple[int, Any, dict[str, Any]] | None = None
@@ -346,7 +350,10 @@ class PhaseTrainer:
             items = self.data.take(cfg.batch_items)[self.strategy.rank::self.strategy.world_size]  # data parallel
             stats = self._sync_policy() | ({"rollout/staleness": 0.0} if cfg.max_staleness else {})
             served = self._served()
+            reused = self.prefix_cache.reused_tokens if self.prefix_cache is not None else 0
             result = self._rollout(items, step)
+            if self.prefix_cache is not None:  # prompt tokens whose KV came from the conversation's last turn
+                stats["rollout/prefix_reused_tokens"] = float(self.prefix_cache.reused_tokens - reused)
         if cfg.max_staleness and step + 1 < self.end_step:
             self._prefetch(step + 1)
         if cfg.log_rollouts and self.leader:
