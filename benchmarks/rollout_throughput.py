@@ -19,6 +19,7 @@ import torch
 
 from envs.launcher import running_server
 from envs.splits import load_split
+from training.config import PREFIX_CACHE_GB
 from training.engine import HFEngine, SamplingParams
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--h", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prefix-cache-gb", type=float, default=PREFIX_CACHE_GB,
+                        help="the hf engine's prefix cache (train/eval prefix_cache_gb; 0: whole prefills)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     from benchmarks import tiny_model
@@ -57,7 +60,7 @@ def main() -> None:
     folder = tiny_model(args.model)
     model, tokenizer = load_policy(folder)
     model.eval()
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=args.prefix_cache_gb)
     items = [r["item_id"] for r in load_split("babyai", "train")[: args.trajectories // 4]]
     config = RolloutConfig(n_samples=4, max_new_tokens=args.max_new_tokens, context_budget=8192, seed=0)
     with running_server("babyai") as url:
@@ -70,6 +73,9 @@ def main() -> None:
           f"{n / result.seconds_total:.2f} trajectories/s, {result.generated_tokens / result.seconds_total:.0f} "
           f"generated tokens/s, env share {result.seconds_in_env / result.seconds_total:.1%} "
           f"(generation {result.seconds_generating:.2f} s, env {result.seconds_in_env:.2f} s)")
+    if engine.prefix_cache is not None:
+        print(f"prefix cache {args.prefix_cache_gb} GiB: {engine.prefix_cache.reused_tokens} prompt tokens not "
+              "prefilled again")
     sent = sum(1 for t in result.trajectories for turn in t.turns if not turn.observation.startswith("Error"))
     print(f"turns that reached the server: {sent}; terminations: "
           f"{ {k.split('/')[-1]: int(v) for k, v in result.stats.items() if k.startswith('rollout/termination')} }")
