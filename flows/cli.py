@@ -755,6 +755,10 @@ def run(
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers' bars for every checkpoint load and save ("Loading weights", "Writing model shards") would fill
+    # the flow's log; the pipeline's own progress (rollouts, phases) stays. HF_HUB_DISABLE_PROGRESS_BARS=0 brings
+    # them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     app()
 
 

@@ -31,10 +31,11 @@ def _train_cmd(url: str, init: Path, out: Path, phase: int, h: int, steps: int) 
             "--steps", str(steps), "--init", str(init), "--out", str(out), "--url", url, *FAST]
 
 
-def _run(cmd: list[str], **env: str) -> None:
+def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 def _kill_after_checkpoint(cmd: list[str], out: Path, step: int) -> None:
@@ -69,7 +70,10 @@ def test_sigkill_mid_phase_and_across_a_phase_boundary_resumes_bitwise(tiny_mode
 def _sigkill_and_resume(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     # uninterrupted: phase 0 (h=2, 2 steps) then phase 1 (h=4, 3 steps)
     _run(_train_cmd(url, tiny_model_dir, tmp_path / "a0", 0, 2, 2))
-    _run(_train_cmd(url, tmp_path / "a0" / "final", tmp_path / "a1", 1, 4, 3))
+    done = _run(_train_cmd(url, tmp_path / "a0" / "final", tmp_path / "a1", 1, 4, 3))
+    # the command's output: no transformers bar per checkpoint load or save, the rollouts' own progress kept
+    assert "Loading weights" not in done.stderr and "Writing model shards" not in done.stderr
+    assert "babyai phase 1 (h=4)" in done.stderr
     # a second fresh run of the same phase in its own process (another hash seed): bitwise equal weights
     _run(_train_cmd(url, tiny_model_dir, tmp_path / "c0", 0, 2, 2), PYTHONHASHSEED="1")
     assert _weights(tmp_path / "c0" / "final") == _weights(tmp_path / "a0" / "final")
