@@ -71,9 +71,8 @@ def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
         assert f"{stage}: up to date" in log
     assert "up to date" in _sh(work, "dvc", "status", "--with-deps", "babyai_report")
     assert not _ran(_sh(work, "dvc", "repro", "babyai_report"))
-    plain = _workspace(tmp_path, name="plain")
-    assert {"splits@babyai", "build_model", "babyai_phase_2", "babyai_eval"} <= set(
-        _ran(_sh(plain, "dvc", "repro", "babyai_eval")))
+    plain = _workspace(tmp_path, name="plain")  # (its splits run too where the committed lock is stale for them)
+    assert {"build_model", "babyai_phase_2", "babyai_eval"} <= set(_ran(_sh(plain, "dvc", "repro", "babyai_eval")))
     assert _phase_locks(work) == _phase_locks(plain)  # same deps, params and bitwise equal outputs
     history = subprocess.run(["git", "log", "--format=%s"], cwd=work, capture_output=True, text=True).stdout
     assert "scalinginter babyai (smoke): 3 phases" in history
