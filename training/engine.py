@@ -179,8 +179,8 @@ class HFEngine:
         return out
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        prefixes: list[_Prefix | None] | None = None) -> list[Generation]:
-        cached = [len(f.tokens) if f is not None else 0 for f in (prefixes or [None] * len(prompts))]
+                        prefixes: list[_Prefix | None]) -> list[Generation]:
+        cached = [len(f.tokens) if f is not None else 0 for f in prefixes]
         width_c = max(cached)
         suffixes = [p[c:] for p, c in zip(prompts, cached, strict=True)]
         width_s = max(len(s) for s in suffixes)
@@ -221,10 +221,10 @@ class HFEngine:
             self._keep(prompts, out, mask, width, result.cache)
         return out
 
-    def _batch_cache(self, prefixes: list[_Prefix | None] | None, width: int) -> DynamicCache:
+    def _batch_cache(self, prefixes: list[_Prefix | None], width: int) -> DynamicCache:
         """The cached prefixes as one batch's KV, each row right-aligned in ``width`` columns (zeros before it,
         masked out)."""
-        rows = [f for f in prefixes or [] if f is not None]
+        rows = [f for f in prefixes if f is not None]
         layers = []
         for layer in range(len(rows[0].keys)):
             heads, _, dim = rows[0].keys[layer].shape
