@@ -59,15 +59,15 @@ def main() -> None:
               f"{len(train)} items x k={args.k}")
         print(f"warm start            success {before.success_rate:6.1%} (95% CI {low:.1%}-{high:.1%}); greedy "
               f"{before_greedy:.0%}")
+        def pairs() -> list:
+            return preference_pairs(sample(warm, "bandit", url, train, sampling, 0).trajectories)
+
         runs = {
             "RFT": lambda out: rft(warm, out, "bandit", url, train, sampling)[-1],
             "RFT + LoRA r=8": lambda out: rft(warm, out, "bandit", url, train, sampling.model_copy(
                 update={"sft": sampling.sft.model_copy(update={"lora": lora, "lr": 5e-3})}))[-1],
-            "DPO": lambda out: dpo(warm, out, preference_pairs(sample(warm, "bandit", url, train, sampling, 0)),
-                                   DPOConfig()),
-            "DPO + LoRA r=8": lambda out: dpo(warm, out, preference_pairs(sample(warm, "bandit", url, train,
-                                                                                  sampling, 0)),
-                                              DPOConfig(lora=lora, lr=2e-3)),
+            "DPO": lambda out: dpo(warm, out, pairs(), DPOConfig()),
+            "DPO + LoRA r=8": lambda out: dpo(warm, out, pairs(), DPOConfig(lora=lora, lr=2e-3)),
         }
         for name, run in runs.items():
             started = time.perf_counter()

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from envs.registry import SERVED, TESTING, UnknownEnvironmentError
 from training.config import MIXED
+from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter-RL agent training pipeline.")
 console = Console()
@@ -435,6 +436,7 @@ def rft(
                                             help="environment server URL (default: start one)")] = None,
     lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
                                              "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
     successful ones and SFT on them; a rerun continues after the last finished round."""
@@ -451,7 +453,8 @@ def rft(
     params = load_params()
     try:
         config = RFTConfig(rounds=rounds, k=k, h=h, keep=keep, temperature=temperature,
-                           max_new_tokens=max_new_tokens, sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r)))
+                           max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb,
+                           sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r)))
     except ValueError as err:
         _fail(str(err))
     ids = sft_items(env, items, sub_tasks=sub_task)
@@ -467,7 +470,8 @@ def rft(
     for folder in folders:
         m = read_manifest(folder)
         console.print(f"round {m['round']}: kept {m['kept']} of {m['sampled']} episodes (sampling success "
-                      f"{m['sample_success']:.1%}) -> {folder}")
+                      f"{m['sample_success']:.1%}; {m.get('sample_prefix_reused_tokens', 0)} prompt tokens not "
+                      f"prefilled again) -> {folder}")
 
 
 @app.command()
@@ -488,6 +492,7 @@ def dpo(
                                             help="environment server URL (default: start one)")] = None,
     lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
                                              "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
     on the assistant tokens against the frozen starting policy."""
@@ -505,16 +510,16 @@ def dpo(
     _check_env(env)
     params = load_params()
     try:
-        config, sampling = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r)), RFTConfig(k=k, h=h,
-                                                                                   max_new_tokens=max_new_tokens)
+        config = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r))
+        sampling = RFTConfig(k=k, h=h, max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb)
     except ValueError as err:
         _fail(str(err))
     policy = Path(init) if init else base_model_dir(params)
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         with console.status(f"sampling {k} episodes on each of {items} {env} items"):
-            pairs = preference_pairs(sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0),
-                                     config.max_pairs_per_item, config.seed)
+            sampled = sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0)
+            pairs = preference_pairs(sampled.trajectories, config.max_pairs_per_item, config.seed)
     try:
         path = run_dpo(policy, Path(out), pairs, config, progress=True,
                        provenance={"policy": folder_hash(policy), "env": env, "h": h})
@@ -754,12 +759,7 @@ def run(
 
 
 def main() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # transformers' bars for every checkpoint load and save ("Loading weights", "Writing model shards") would fill
-    # the flow's log; the pipeline's own progress (rollouts, phases) stays. HF_HUB_DISABLE_PROGRESS_BARS=0 brings
-    # them back.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    app()
+    app()  # the process settings (tokenizer threads, transformers' bars) are made on importing ``flows``
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ def test_pairs_match_a_success_with_a_failure_of_the_same_item() -> None:
 def test_dpo_prefers_the_chosen_on_held_out_pairs(env_server, bandit_warm_start, tmp_path) -> None:
     url = env_server("bandit")
     sampling = RFTConfig(k=4, h=1, max_new_tokens=16)
-    train_pairs = preference_pairs(sample(bandit_warm_start, "bandit", url, TRAIN, sampling, 0))
-    held_pairs = preference_pairs(sample(bandit_warm_start, "bandit", url, HELD_OUT, sampling, 1))
+    train_pairs = preference_pairs(sample(bandit_warm_start, "bandit", url, TRAIN, sampling, 0).trajectories)
+    held_pairs = preference_pairs(sample(bandit_warm_start, "bandit", url, HELD_OUT, sampling, 1).trajectories)
     assert len(train_pairs) >= 8 and len(held_pairs) >= 4
     out = dpo(bandit_warm_start, tmp_path / "dpo", train_pairs, DPOConfig(beta=0.1, epochs=3, lr=1e-4,
                                                                            batch_pairs=8))

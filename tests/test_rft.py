@@ -49,6 +49,7 @@ def test_a_round_of_rejection_sampling_raises_success_on_held_out_items(env_serv
     manifest = read_manifest(round0, verify=True)
     assert (manifest["kind"], manifest["round"], manifest["sampled"]) == ("rft", 0, 32)
     assert manifest["parent"] == folder_hash(bandit_warm_start) and 0 < manifest["kept"] <= 32
+    assert manifest["sample_prefix_reused_tokens"] == 0  # one turn per episode: no conversation to continue
     kept = [json.loads(line) for line in (tmp_path / "round-0.jsonl").open()]
     assert len(kept) == manifest["kept"] and all(k["success"] and k["policy"] == manifest["parent"] for k in kept)
     assert all("right" in [m for m in k["conversation"] if m["role"] == "assistant"][-1]["content"] for k in kept)
@@ -85,7 +86,7 @@ def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(e
     _, tokenizer = load_policy(bandit_warm_start)
     chat = ChatFormat(tokenizer)
     [t] = sample(bandit_warm_start, "bandit", env_server("bandit"), TRAIN[:1], RFTConfig(k=1, h=1, max_new_tokens=16),
-                 0)
+                 0).trajectories
     record = json.loads(json.dumps(t.log_record()))  # as read back from a JSONL file
     assert record["tokenizer"] == chat.fingerprint and len(record["tokenizer"]) == 16
     again = recorded_trajectory(record, chat)
@@ -94,6 +95,27 @@ def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(e
     assert sum(again.loss_mask) == sum(t.loss_mask) > 0
     assert recorded_trajectory({**record, "tokenizer": "0" * 16}, chat) is None  # another model's ids: re-encode
     assert recorded_trajectory({k: v for k, v in record.items() if k != "input_ids"}, chat) is None
+
+
+def test_sampling_with_the_prefix_cache_gives_the_same_episodes_and_skips_the_repeated_prefill(
+        env_server, tiny_model_dir) -> None:
+    from training.rft import sample
+    from training.sft import sft_items
+
+    items, url = sft_items("babyai", 3), env_server("babyai")
+
+    def run(prefix_cache_gb: float):
+        config = RFTConfig(k=2, h=3, max_new_tokens=8, prefix_cache_gb=prefix_cache_gb)
+        return sample(tiny_model_dir, "babyai", url, items, config, 0)
+
+    def episodes(sampled) -> list[tuple]:
+        return [(t.item_id, t.sample, t.input_ids, t.reward, t.termination) for t in sampled.trajectories]
+
+    whole, cached = run(0.0), run(0.5)
+    assert episodes(cached) == episodes(whole) and len(whole.trajectories) == 6
+    assert len({tuple(t.input_ids) for t in whole.trajectories}) > 1  # the samples vary: equality means something
+    # each later turn prefilled only what the turn before added
+    assert cached.prefix_reused_tokens > 0 and whole.prefix_reused_tokens == 0
 
 
 def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_start, tmp_path) -> None:

@@ -17,6 +17,7 @@ from training.curriculum import AdaptiveRule, CurriculumConfig
 from training.guard import GuardConfig
 from training.layout import Run, base_model
 from training.lora import LoraSettings
+from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 
 class ConfigError(ValueError):
@@ -31,11 +32,6 @@ class MixShare(BaseModel):
     max_h: int | None = Field(None, ge=1, description="its own turn cap: the phase's h clipped to it")
     sub_tasks: list[str] | None = Field(None, description="its items from these sub-tasks only")
 
-
-PREFIX_CACHE_GB = 1.0
-PREFIX_CACHE_HELP = ("hf engine: GiB of KV kept from each sequence's turn, so that the next turn of its conversation "
-                     "prefills only the tokens added since (0: the whole context again each turn; the same tokens and "
-                     "log-probs within float rounding)")
 
 
 class TrainConfig(BaseModel):

@@ -1,7 +1,7 @@
 """Direct preference optimisation on agent episodes: pairs of a successful and a failed episode of the same item,
 the DPO loss on the assistant tokens only, against the frozen starting policy as the reference.
 
-    pairs = preference_pairs(sample(policy, env, url, items, RFTConfig(k=4, h=6), 0))
+    pairs = preference_pairs(sample(policy, env, url, items, RFTConfig(k=4, h=6), 0).trajectories)
     dpo(policy, Path("runs/dpo"), pairs, DPOConfig(beta=0.1))
 
 A pair's log-probability is the sum over the tokens the agent wrote (the loss mask a rollout records: never

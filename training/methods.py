@@ -53,14 +53,16 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
         if isinstance(stage, RFTStage):
             config = RFTConfig(rounds=stage.rounds, k=stage.k, h=stage.h, temperature=stage.temperature,
                                max_new_tokens=stage.max_new_tokens, keep=stage.keep, batch_items=stage.batch_items,
-                               seed=stage.seed, sft=sft_config)
+                               prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed, sft=sft_config)
             return rft(init, out, env, url, ids, config, progress=progress, record=record,
                        first_round=stage.round)[-1]
         sampling = RFTConfig(k=stage.k, h=stage.h, temperature=stage.temperature, max_new_tokens=stage.max_new_tokens,
-                             batch_items=stage.batch_items, seed=stage.seed)
+                             batch_items=stage.batch_items, prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed)
         config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
                            max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora)
-        pairs = preference_pairs(sample(init, env, url, ids, sampling, 0), config.max_pairs_per_item, config.seed)
+        sampled = sample(init, env, url, ids, sampling, 0)
+        pairs = preference_pairs(sampled.trajectories, config.max_pairs_per_item, config.seed)
+    record["sample_prefix_reused_tokens"] = sampled.prefix_reused_tokens
     return dpo(init, out / "final", pairs, config, progress=progress, record=record,
                provenance={"policy": folder_hash(init), "env": env, "h": stage.h})
 

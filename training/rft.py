@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envs.files import atomic_write
 from training.checkpoint import MANIFEST, folder_hash, read_manifest
@@ -29,6 +30,7 @@ from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 from training.sft import sft
 from training.trajectory import Trajectory
+from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,17 @@ class RFTConfig(BaseModel):
     keep: Literal["all", "shortest"] = Field("all", description="every successful episode, or each item's "
                                              "shortest (fewest turns) one")
     batch_items: int = Field(8, ge=1, description="items rolled out at once")
+    prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
     seed: int = 0
     sft: SFTConfig = SFTConfig()
+
+
+@dataclass
+class Sampled:
+    """A sampling run's episodes and how many prompt tokens the prefix cache spared the prefill."""
+
+    trajectories: list[Trajectory]
+    prefix_reused_tokens: int = 0
 
 
 def select(trajectories: list[Trajectory], keep: str) -> list[Trajectory]:
@@ -62,18 +73,20 @@ def select(trajectories: list[Trajectory], keep: str) -> list[Trajectory]:
     return [best[i] for i in sorted(best)]
 
 
-def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig, round_: int) -> list[Trajectory]:
-    """``config.k`` episodes per item from ``policy`` at temperature ``config.temperature``."""
+def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig, round_: int) -> Sampled:
+    """``config.k`` episodes per item from ``policy`` at temperature ``config.temperature`` (each later turn
+    prefilling only what the turn before added, with ``config.prefix_cache_gb`` > 0)."""
     model, tokenizer = load_policy(policy, resolve_device(config.sft.device))
     model.eval()
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=config.prefix_cache_gb)
     rollout = Rollout(env, url, engine, tokenizer, RolloutConfig(
         n_samples=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
         seed=config.seed * 1000 + round_))
     out: list[Trajectory] = []
     for start in range(0, len(items), config.batch_items):
         out += rollout.run(items[start:start + config.batch_items], config.h, step=round_).trajectories
-    return out
+    cache = engine.prefix_cache
+    return Sampled(out, cache.reused_tokens if cache is not None else 0)
 
 
 def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFTConfig,
@@ -90,10 +103,16 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
         folder = out / f"round-{r}"
         if (folder / MANIFEST).exists():  # done in an earlier run: verified, then the next round starts from it
             done = read_manifest(folder, verify=True)
-            # the same settings but the number of rounds (a run may go on for more), from this chain, on these items
-            made = {"rft": {**(done.get("rft") or {}), "rounds": None}, "parent": done.get("parent"),
-                    "items": done.get("items")}
-            wanted = {"rft": {**config.model_dump(mode="json"), "rounds": None}, "parent": folder_hash(policy),
+            # the same settings but the number of rounds (a run may go on for more) and the prefix cache (speed, the
+            # same episodes within float rounding), from this chain, on these items; the recorded settings read back
+            # through the model, so a setting added since takes its default
+            try:
+                recorded = RFTConfig.model_validate(done.get("rft") or {}).model_dump(mode="json")
+            except ValidationError:
+                recorded = done.get("rft") or {}
+            free = {"rounds": None, "prefix_cache_gb": None}
+            made = {"rft": {**recorded, **free}, "parent": done.get("parent"), "items": done.get("items")}
+            wanted = {"rft": {**config.model_dump(mode="json"), **free}, "parent": folder_hash(policy),
                       "items": items}
             if made != wanted:
                 differ = ", ".join(k for k in made if made[k] != wanted[k])
@@ -102,7 +121,8 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
             policy = folder
             rounds.append(folder)
             continue
-        sampled = sample(policy, env, url, items, config, r)
+        run = sample(policy, env, url, items, config, r)
+        sampled = run.trajectories
         errors = sum(1 for t in sampled if not t.valid)
         if errors == len(sampled):
             first = next((t.error for t in sampled if t.error), "?")
@@ -121,6 +141,7 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
         fields: dict[str, Any] = {"kind": "rft", "round": r, "env": env, "h": config.h,
                                   "rft": config.model_dump(mode="json"), "items": items, "sampled": len(sampled),
                                   "kept": len(kept), "env_errors": errors, "sample_success": rate,
+                                  "sample_prefix_reused_tokens": run.prefix_reused_tokens,
                                   "kept_file": f"round-{r}.jsonl", **(record or {})}
         sft(policy, folder, [t.log_record() for t in kept], config.sft, progress=progress,
             record=fields)

@@ -25,6 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 #: the phase types a warm start may use
 METHODS = ("sft", "rft", "dpo")
 
+#: the hf engine's prefix cache, a setting of whatever samples: RL phases, evaluation, RFT and DPO sampling
+PREFIX_CACHE_GB = 1.0
+PREFIX_CACHE_HELP = ("hf engine: GiB of KV kept from each sequence's turn, so that the next turn of its conversation "
+                     "prefills only the tokens added since (0: the whole context again each turn; the same tokens and "
+                     "log-probs within float rounding)")
+
 
 class _Method(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +49,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
     batch_items: int = Field(8, ge=1, description="items rolled out at once")
+    prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
 
 
 class SFTStage(_Method):
