@@ -30,6 +30,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter
 console = Console()
 
 EnvArg = Annotated[str, typer.Argument(help=f"environment: one of {', '.join(SERVED)}")]
+DeviceOpt = Annotated[str, typer.Option(envvar="SCALINGINTER_DEVICE", help="where the model trains and samples: "
+                                        "cpu, cuda[:N], npu[:N] or auto (a work pool's SCALINGINTER_DEVICE)")]
 
 
 def _fail(message: str) -> None:
@@ -315,7 +317,8 @@ def warm_stage_cmd(
                                                  "start env_server.replicas)")] = None,
 ) -> None:
     """Run one warm-start stage of ENV's curriculum (sft, rft or dpo before the first RL phase), as its DVC stage
-    does: its settings from phases.yaml (params.yaml ``curriculum.<env>.profiles.<profile>.warm_start``)."""
+    does: its settings from phases.yaml (params.yaml ``curriculum.<env>.profiles.<profile>.warm_start``), its model
+    where SCALINGINTER_DEVICE places it (cpu by default)."""
     from pathlib import Path
 
     from envs.paths import project_root
@@ -335,6 +338,17 @@ def warm_stage_cmd(
     except (ValueError, RuntimeError, OSError) as err:
         _fail(str(err))
     console.print(f"warm start {index} ({stage.method}) done: {path}")
+
+
+def _device(name: str) -> str:
+    """``name`` if that device is here, else a clear error before any work."""
+    from training.devices import DeviceError, resolve_device
+
+    try:
+        resolve_device(name)
+    except DeviceError as err:
+        _fail(str(err))
+    return name
 
 
 def _lora(rank: int) -> object:
@@ -369,7 +383,8 @@ def sft(
     init: Annotated[str | None, typer.Option(help="model folder to fine-tune (default: models/<model.preset>)")]
     = None,
     out: Annotated[str, typer.Option(help="checkpoint folder to write")] = "runs/sft",
-    episodes: Annotated[int, typer.Option(help="expert episodes from the training split")] = 64,
+    episodes: Annotated[int | None, typer.Option(help="expert episodes from the training split (64 unless --from)")]
+    = None,
     sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
     epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
     lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
@@ -380,6 +395,7 @@ def sft(
     from_: Annotated[list[str] | None, typer.Option("--from", help="train on the successful episodes recorded in "
                                                     "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
                                                     "DPO pairs) instead of expert episodes (repeatable)")] = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from)."""
     from pathlib import Path
@@ -389,7 +405,11 @@ def sft(
     from training.sft import sft as run_sft
 
     _check_env(env)
+    _device(device)
     record: dict[str, object] = {}
+    if from_ and (episodes is not None or sub_task):
+        _fail("--episodes and --sub-task choose expert episodes; --from trains on every successful episode of its "
+              "files: give one or the other")
     if from_:
         from training.store import read_episodes
 
@@ -400,12 +420,13 @@ def sft(
         conversations = records  # their own token ids where they are in this tokenizer
         record = {"source": "recorded", "sources": sources}  # the lineage: which files, by their sha256
     else:
+        episodes = 64 if episodes is None else episodes
         with console.status(f"playing {episodes} {env} expert episodes"):
             conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
     source = Path(init) if init else base_model_dir(load_params())
     try:
         path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens,
-                                                               lora=_lora(lora_r)),
+                                                               lora=_lora(lora_r), device=device),
                        progress=True, record=record)
     except ValueError as err:
         _fail(str(err))
@@ -437,6 +458,7 @@ def rft(
     lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
                                              "checkpoint holds the merged weights and the adapter in lora/")] = 0,
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
     successful ones and SFT on them; a rerun continues after the last finished round."""
@@ -454,7 +476,7 @@ def rft(
     try:
         config = RFTConfig(rounds=rounds, k=k, h=h, keep=keep, temperature=temperature,
                            max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb,
-                           sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r)))
+                           sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r), device=_device(device)))
     except ValueError as err:
         _fail(str(err))
     ids = sft_items(env, items, sub_tasks=sub_task)
@@ -493,6 +515,7 @@ def dpo(
     lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
                                              "checkpoint holds the merged weights and the adapter in lora/")] = 0,
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
     on the assistant tokens against the frozen starting policy."""
@@ -501,7 +524,7 @@ def dpo(
 
     from envs.launcher import running_replicas
     from training.checkpoint import folder_hash
-    from training.config import base_model_dir, load_params, server_config
+    from training.config import SFTConfig, base_model_dir, load_params, server_config
     from training.dpo import DPOConfig, preference_pairs
     from training.dpo import dpo as run_dpo
     from training.rft import RFTConfig, sample
@@ -510,8 +533,9 @@ def dpo(
     _check_env(env)
     params = load_params()
     try:
-        config = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r))
-        sampling = RFTConfig(k=k, h=h, max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb)
+        config = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r), device=_device(device))
+        sampling = RFTConfig(k=k, h=h, max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb,
+                             sft=SFTConfig(device=device))  # the sampling's device
     except ValueError as err:
         _fail(str(err))
     policy = Path(init) if init else base_model_dir(params)

@@ -44,3 +44,23 @@ def test_demo_plays_an_expert_episode_through_http() -> None:
     result = runner.invoke(app, ["demo", "textcraft", "--data-idx", "5"])
     assert result.exit_code == 0, result.output
     assert "success=True" in result.output and "turn 1 agent:" in result.output
+
+
+def test_the_warm_start_commands_take_a_device_and_refuse_what_they_would_ignore(tmp_path) -> None:
+    # --from trains on every successful episode of its files: what chooses expert episodes is an error beside it
+    result = runner.invoke(app, ["sft", "babyai", "--from", str(tmp_path), "--sub-task", "GoTo"])
+    assert result.exit_code == 2 and "give one or the other" in result.output, result.output
+    result = runner.invoke(app, ["sft", "babyai", "--from", str(tmp_path), "--episodes", "8"])
+    assert result.exit_code == 2 and "--episodes and --sub-task choose expert episodes" in result.output
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    # the device, from --device or a work pool's SCALINGINTER_DEVICE, is checked before any work
+    for args, env in ((["sft", "babyai", "--device", "cuda:0"], {}),
+                      (["rft", "babyai"], {"SCALINGINTER_DEVICE": "cuda:0"}),
+                      (["dpo", "babyai"], {"SCALINGINTER_DEVICE": "cuda:0"})):
+        result = runner.invoke(app, [*args, "--out", str(tmp_path / args[0])], env=env)
+        assert result.exit_code == 2 and "'cuda:0' requested but CUDA is not available" in result.output, \
+            (args, result.output)
+        assert not (tmp_path / args[0]).exists()

@@ -45,6 +45,23 @@ def test_items_are_split_by_weight_every_step_and_bad_mixes_are_refused() -> Non
         parse_urls(ENVS.split(","), "babyai=http://a;textcraft=http://b")
 
 
+
+def test_settings_of_the_other_kind_of_run_are_refused_before_any_work(tmp_path) -> None:
+    """A mixed run's mix on one environment, one environment's sub_tasks or items on a mixed run: an error naming
+    them, raised before a server is asked or a folder written (they were accepted and ignored)."""
+    nowhere = "http://127.0.0.1:9"  # no server: the check comes first
+    with pytest.raises(ValueError, match=r"train.mix \(babyai\) shares the steps of a mixed run.*babyai alone"):
+        train_phase("babyai", 0, 2, 1, tmp_path / "no-model", tmp_path / "single", url=nowhere,
+                    config=TrainConfig(mix={"babyai": MixShare(max_h=3, sub_tasks=["GoTo"])}))
+    with pytest.raises(ValueError, match=r"train.sub_tasks chooses one environment's items.*train.mix.<env>"):
+        train_phase(ENVS, 0, 2, 1, tmp_path / "no-model", tmp_path / "mixed", url=nowhere,
+                    config=TrainConfig(batch_items=3, sub_tasks=["GoTo"]))
+    with pytest.raises(ValueError, match=r"train.items chooses one environment"):
+        train_phase(ENVS, 0, 2, 1, tmp_path / "no-model", tmp_path / "mixed", url=nowhere,
+                    config=TrainConfig(batch_items=3, items=["babyai-0"]))
+    assert not (tmp_path / "single").exists() and not (tmp_path / "mixed").exists()
+
+
 def _metrics(phase: Path) -> dict:
     return json.loads((phase / "dvclive" / "metrics.json").read_text())
 

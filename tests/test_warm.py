@@ -11,11 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from pydantic import ValidationError
 
 from flows.dvc_pipeline import BASE, render
 from training.checkpoint import read_manifest
 from training.config import ConfigError, curriculum_config, load_params
+from training.devices import DeviceError
+from training.methods import run_warm_stage
 from training.warm import RFTStage, checkpoint_of, parse_stage
 
 #: SFT on 4 items the expert solves in two turns, then two rounds of rejection sampling and DPO on the same items
@@ -69,6 +73,25 @@ def test_a_bad_warm_start_names_the_key_and_the_mixed_run_has_none() -> None:
         render(_params([{"method": "sft"}], env="mixed"))
     stage = parse_stage({"method": "rft", "rounds": 3})
     assert isinstance(stage, RFTStage) and checkpoint_of(Path("w"), stage) == Path("w/round-2")
+    # what chooses expert episodes beside recorded ones would be ignored: an error naming it
+    for chosen in ({"sub_tasks": ["GoTo"]}, {"max_turns": 2}, {"items": 8}):
+        with pytest.raises(ValidationError, match=f"{next(iter(chosen))} choose expert episodes"):
+            parse_stage({"method": "sft", "recorded": ["runs/babyai/phase-0/rollouts"], **chosen})
+    recorded = parse_stage({"method": "sft", "recorded": ["runs/babyai/phase-0/rollouts"]})
+    assert parse_stage(recorded.model_dump(mode="json", exclude_none=True)) == recorded  # phases.yaml's row
+
+
+def test_a_warm_stage_goes_where_the_work_pool_places_it(monkeypatch, tmp_path) -> None:
+    """SCALINGINTER_DEVICE reaches the warm-start stages as it does the phases and the evaluation: a device that
+    is not here is an error before any work (the stages trained on the CPU whatever the pool said)."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    monkeypatch.setenv("SCALINGINTER_DEVICE", "cuda:0")
+    for row in ({"method": "sft", "items": 1}, {"method": "dpo", "items": 1}):
+        with pytest.raises(DeviceError, match="'cuda:0' requested but CUDA is not available"):
+            run_warm_stage("babyai", 0, parse_stage(row), tmp_path / "no-model", tmp_path / "warm",
+                           url="http://127.0.0.1:9")
+    assert not (tmp_path / "warm").exists()
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 
 import torch
 
@@ -18,6 +19,16 @@ def npu_available() -> bool:
     import torch_npu  # noqa: F401 - registers torch.npu
 
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+#: a work pool's job variable that places every stage's model (train-phase, warm-start stages, evaluation)
+PLACEMENT_VAR = "SCALINGINTER_DEVICE"
+
+
+def placement(default: str = "cpu") -> str:
+    """The device a work pool places the work on (``SCALINGINTER_DEVICE``), else ``default``: placement only,
+    never a DVC param (the same settings give the same run on any machine the pool puts it on)."""
+    return os.environ.get(PLACEMENT_VAR) or default
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -18,6 +18,7 @@ from envs.files import atomic_write
 from envs.launcher import running_replicas
 from training.checkpoint import folder_hash
 from training.config import ServerConfig, SFTConfig
+from training.devices import placement, resolve_device
 from training.dpo import DPOConfig, dpo, preference_pairs
 from training.lora import lora_of_rank
 from training.rft import RFTConfig, rft, sample
@@ -31,11 +32,14 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
                    url: str | None = None, server: ServerConfig | None = None, progress: bool = False) -> Path:
     """Run warm-start stage ``index`` of ``env`` from ``init`` into the folder ``out``; returns its checkpoint.
     Sampling methods use the environment server at ``url``, or servers started here with ``server`` (a
-    ``ServerConfig``) and always stopped; SFT on expert episodes plays them in-process."""
+    ``ServerConfig``) and always stopped; SFT on expert episodes plays them in-process. The model (training and
+    sampling) goes where the work pool places it (``SCALINGINTER_DEVICE``, cpu by default)."""
+    device = placement()
+    resolve_device(device)  # a device that is not here: an error before any work
     record = {"warm_start": {"index": index, **stage.model_dump()}}
     out.mkdir(parents=True, exist_ok=True)
     lora = lora_of_rank(stage.lora_r)
-    sft_config = SFTConfig(epochs=stage.epochs, lr=stage.lr, seed=stage.seed, lora=lora,
+    sft_config = SFTConfig(epochs=stage.epochs, lr=stage.lr, seed=stage.seed, lora=lora, device=device,
                            **({"batch_size": stage.batch_size, "max_tokens": stage.max_tokens}
                               if isinstance(stage, SFTStage) else {}))
     if isinstance(stage, SFTStage):
@@ -57,9 +61,10 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
             return rft(init, out, env, url, ids, config, progress=progress, record=record,
                        first_round=stage.round)[-1]
         sampling = RFTConfig(k=stage.k, h=stage.h, temperature=stage.temperature, max_new_tokens=stage.max_new_tokens,
-                             batch_items=stage.batch_items, prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed)
+                             batch_items=stage.batch_items, prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed,
+                             sft=sft_config)  # the sampling's device
         config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
-                           max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora)
+                           max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora, device=device)
         sampled = sample(init, env, url, ids, sampling, 0)
         pairs = preference_pairs(sampled.trajectories, config.max_pairs_per_item, config.seed)
     record["sample_prefix_reused_tokens"] = sampled.prefix_reused_tokens

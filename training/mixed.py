@@ -39,6 +39,20 @@ def shares(envs: Sequence[str], config: TrainConfig) -> dict[str, MixShare]:
     return {e: config.mix.get(e, MixShare()) for e in envs}
 
 
+def check_scope(envs: Sequence[str], config: TrainConfig) -> None:
+    """Settings of the other kind of run are an error, not ignored: ``mix`` shares a mixed run's steps between its
+    environments, ``sub_tasks`` and ``items`` choose one environment's items."""
+    if len(envs) == 1 and config.mix:
+        raise ValueError(f"train.mix ({', '.join(sorted(config.mix))}) shares the steps of a mixed run between its "
+                         f"environments, and this run trains on {envs[0]} alone: remove it (here sub_tasks is "
+                         "train.sub_tasks and the cap is the curriculum's)")
+    chosen = [name for name in ("sub_tasks", "items") if getattr(config, name)]
+    if len(envs) > 1 and chosen:
+        raise ValueError(f"train.{' and train.'.join(chosen)} choose{'s' if len(chosen) == 1 else ''} one "
+                         f"environment's items, and this run mixes {', '.join(envs)}: give each environment's "
+                         "sub-tasks as train.mix.<env>.sub_tasks")
+
+
 def allocation(weights: Mapping[str, float], n: int) -> dict[str, int]:
     """``n`` items per step split by ``weights`` (largest remainder, ties in order), every environment at least
     one: the same counts every step, so a data position is enough state."""

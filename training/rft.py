@@ -89,6 +89,14 @@ def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig
     return Sampled(out, cache.reused_tokens if cache is not None else 0)
 
 
+def _comparable(settings: dict[str, Any]) -> dict[str, Any]:
+    """RFT settings without what may change between the runs of one chain: the number of rounds, the prefix
+    cache's size and the device."""
+    sft_settings = settings.get("sft")
+    return {**settings, "rounds": None, "prefix_cache_gb": None,
+            **({"sft": {**sft_settings, "device": None}} if isinstance(sft_settings, dict) else {})}
+
+
 def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFTConfig,
         progress: bool = False, record: dict[str, Any] | None = None, first_round: int = 0) -> list[Path]:
     """Run (or continue) ``config.rounds`` rounds from ``init`` into ``out/round-<r>``; the rounds' checkpoints.
@@ -103,16 +111,15 @@ def rft(init: Path, out: Path, env: str, url: str, items: list[str], config: RFT
         folder = out / f"round-{r}"
         if (folder / MANIFEST).exists():  # done in an earlier run: verified, then the next round starts from it
             done = read_manifest(folder, verify=True)
-            # the same settings but the number of rounds (a run may go on for more) and the prefix cache (speed, the
-            # same episodes within float rounding), from this chain, on these items; the recorded settings read back
-            # through the model, so a setting added since takes its default
+            # the same settings but the number of rounds (a run may go on for more), the prefix cache (speed, the
+            # same episodes within float rounding) and the device (placement), from this chain, on these items; the
+            # recorded settings read back through the model, so a setting added since takes its default
             try:
                 recorded = RFTConfig.model_validate(done.get("rft") or {}).model_dump(mode="json")
             except ValidationError:
                 recorded = done.get("rft") or {}
-            free = {"rounds": None, "prefix_cache_gb": None}
-            made = {"rft": {**recorded, **free}, "parent": done.get("parent"), "items": done.get("items")}
-            wanted = {"rft": {**config.model_dump(mode="json"), **free}, "parent": folder_hash(policy),
+            made = {"rft": _comparable(recorded), "parent": done.get("parent"), "items": done.get("items")}
+            wanted = {"rft": _comparable(config.model_dump(mode="json")), "parent": folder_hash(policy),
                       "items": items}
             if made != wanted:
                 differ = ", ".join(k for k in made if made[k] != wanted[k])

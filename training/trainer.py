@@ -54,7 +54,7 @@ from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, 
 from training.lora import load_adapter, save_lora, with_lora
 from training.losses import actor_loss, policy_forward, value_loss
 from training.metrics import Metrics
-from training.mixed import MixedRollout, allocation, mixed_rollout, parse_urls, shares
+from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, parse_urls, shares
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
 from training.strategy import make_strategy
@@ -89,6 +89,7 @@ class PhaseTrainer:
                  policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.mixed)
+        check_scope(self.envs, config)
         self.adaptive = adaptive
         self.out_dir = out_dir
         for folder in ("intermediate", "rollouts"):  # exist even for a 1-step phase or without rollout logs
@@ -696,6 +697,7 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
         read_manifest(final, verify=True)
         return final
     envs = mixed_envs(env)
+    check_scope(envs, config)  # before any server is asked
     if config.rollout_mode == "lockstep":  # asynchronous rollouts admit trajectories as instances free instead
         if len(envs) == 1 and isinstance(url, str):
             check_capacity(url, config.batch_items * config.n_samples)

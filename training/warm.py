@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 #: the phase types a warm start may use
 METHODS = ("sft", "rft", "dpo")
@@ -61,6 +61,18 @@ class SFTStage(_Method):
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(8, ge=1)
     max_tokens: int = Field(2048, ge=16, description="longest episode trained on (longer ones left out, counted)")
+
+    @model_validator(mode="after")
+    def _recorded_or_expert(self) -> SFTStage:
+        """``items``, ``sub_tasks`` and ``max_turns`` choose expert episodes: beside ``recorded`` (every successful
+        episode of its files) they would be ignored, so they are an error."""
+        chosen = [name for name in ("sub_tasks", "max_turns") if getattr(self, name) is not None]
+        if self.items != type(self).model_fields["items"].default:
+            chosen.insert(0, "items")
+        if self.recorded and chosen:
+            raise ValueError(f"{', '.join(chosen)} choose expert episodes, and recorded trains on every successful "
+                             "episode of its files: give one or the other")
+        return self
 
 
 class RFTStage(_Method, _Sampling):
