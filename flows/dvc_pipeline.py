@@ -116,7 +116,10 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 "cmd": f"{CLI} splits ${{item}} --seed ${{splits.seed}}",
                 "deps": ["envs/splits.py", "envs/${item}"],
                 "params": ["splits.seed"],
-                "outs": [{"data/${item}/train.json": {"cache": False}}, {"data/${item}/test.json": {"cache": False}}],
+                # in git, not the DVC cache; persistent, so a command that fails to start (a `python` without the
+                # project, say) leaves the committed files in place: DVC deletes other outs before running
+                "outs": [{f"data/${{item}}/{split}.json": {"cache": False, "persist": True}}
+                         for split in ("train", "test")],
             },
         },
     }
@@ -164,8 +167,9 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
             "cmd": f"{CLI} eval {env} --profile ${{curriculum.profile}}",
             "deps": [BASE, *warm_folders, *finals, *eval_deps],
             "params": eval_params,
-            "outs": [{str(run.eval_per_item): {"cache": False}}],
-            "metrics": [{str(run.eval_metrics): {"cache": False}}],
+            # cached like every run output, so `dvc pull` brings a worker's evaluation back
+            "outs": [str(run.eval_per_item)],
+            "metrics": [str(run.eval_metrics)],
         }
         baseline_metrics = []
         if params.get("pipeline", {}).get("baselines"):
@@ -181,8 +185,8 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                     "cmd": f"{CLI} eval {env} --profile ${{curriculum.profile}} --baseline {h}",
                     "deps": [BASE, *warm_folders, str(fixed.final(0)), *eval_deps],
                     "params": eval_params,
-                    "outs": [{str(fixed.eval_per_item): {"cache": False}}],
-                    "metrics": [{str(fixed.eval_metrics): {"cache": False}}],
+                    "outs": [str(fixed.eval_per_item)],
+                    "metrics": [str(fixed.eval_metrics)],
                 }
                 baseline_metrics.append(str(fixed.eval_metrics))
         out[f"{env}_report"] = {
@@ -190,7 +194,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
             "deps": [str(run.eval_metrics), *baseline_metrics, *warm_folders, *finals, "training/report.py",
                      "training/report_template.html", "training/lineage.py",
                      "data/paper_results.json"],
-            "outs": [{str(report_file(env)): {"cache": False}}],
+            "outs": [str(report_file(env))],
         }
     return out
 

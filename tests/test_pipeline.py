@@ -219,7 +219,8 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     model; of a curriculum key, a clear failure (and `scalinginter exp-run` regenerates the phases and reruns
     exactly them); a queued experiment runs its own snapshot's code; `dvc exp show` lists them all."""
     work = _workspace(tmp_path, one_step_phases=2)
-    _sh(work, "dvc", "repro", "babyai_phase_1")
+    # the whole chain, so every output dvc.lock names is in the cache (applying an experiment checks them all out)
+    _sh(work, "dvc", "repro", "babyai_report")
     _sh(work, "git", "add", "-A")
     _sh(work, "git", "commit", "-qm", "baseline")
 
@@ -262,6 +263,25 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     assert shown["h1"]["params"]["phases.yaml"]["data"]["babyai"]["phase_0"]["h"] == 3
     _sh(work, "dvc", "exp", "apply", "code")
     assert (work / "data/babyai/train.json").read_text().startswith('[\n  {\n    "item_id"')  # indent=2: its code
+
+
+def test_a_stage_command_that_cannot_start_leaves_the_committed_splits(tmp_path) -> None:
+    """`.venv/bin/dvc repro` outside the activated environment runs the stages' `python` from PATH, which may
+    lack the project. The stage fails, naming itself, and the splits in git stay as they were: DVC deletes an
+    output that is not persistent before running its command (the evaluation and the report are in the DVC
+    cache, so `dvc checkout` brings them back)."""
+    work = _workspace(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'typer'\" >&2\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    splits = {path: (work / path).read_bytes() for path in ("data/babyai/train.json", "data/babyai/test.json")}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    done = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro", "-f", "splits@babyai"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "failed to reproduce 'splits@babyai'" in done.stderr, done.stderr
+    assert {path: (work / path).read_bytes() for path in splits} == splits
+    assert _sh(work, "git", "status", "--porcelain") == ""
 
 
 def test_one_run_at_a_time_holds_a_working_copy(tmp_path) -> None:

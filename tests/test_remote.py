@@ -41,12 +41,10 @@ def s3_server():
 
 @pytest.mark.slow
 def test_checkpoints_push_to_and_pull_from_s3(s3_server, tmp_path) -> None:
-    work = _workspace(tmp_path)
-    params = (work / "params.yaml").read_text().replace("smoke: {h1: 2, delta_h: 2, every: 2, total_steps: 6}",
-                                                        "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 2}", 1)
-    (work / "params.yaml").write_text(params)
-    _sh(work, "scalinginter", "pipeline")
-    _sh(work, "dvc", "repro", "babyai_phase_1")
+    """Everything a run produces travels through the remote: checkpoints, the evaluation and the report, so a
+    worker that pulls finds the whole pipeline up to date."""
+    work = _workspace(tmp_path, one_step_phases=2)
+    _sh(work, "dvc", "repro", "babyai_report")
     _sh(work, "dvc", "remote", "add", "-d", "s3", "s3://scalinginter/cache")
     _sh(work, "dvc", "remote", "modify", "s3", "endpointurl", s3_server)
     pushed = _sh(work, "dvc", "push")
@@ -54,12 +52,16 @@ def test_checkpoints_push_to_and_pull_from_s3(s3_server, tmp_path) -> None:
     objects = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket="scalinginter")
     assert objects["KeyCount"] > 0
     expected = read_manifest(work / "runs/babyai/phase-1/final")["hash"]
+    produced = {path: (work / path).read_bytes()
+                for path in ("runs/babyai/eval/metrics.json", "runs/babyai/eval/per_item.json", "reports/babyai.html")}
     shutil.rmtree(work / ".dvc" / "cache")  # a worker with nothing but the repository and the remote
-    shutil.rmtree(work / "runs")
-    shutil.rmtree(work / "models")
+    for folder in ("runs", "models", "reports"):
+        shutil.rmtree(work / folder)
     _sh(work, "dvc", "pull")
     assert read_manifest(work / "runs/babyai/phase-1/final", verify=True)["hash"] == expected  # every sha256 checked
+    assert {path: (work / path).read_bytes() for path in produced} == produced
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
+    assert "up to date" in _sh(work, "dvc", "status", "babyai_report")  # nothing to rerun after a pull
 
 
 def _records(work: Path) -> list[tuple]:
