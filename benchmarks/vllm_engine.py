@@ -1,20 +1,21 @@
 """The vllm engine against the hf engine: generation tokens/s on the same prompts, and weight-sync seconds.
 
     python benchmarks/vllm_engine.py [--model models/tiny] [--prompts 64] [--new-tokens 64] [--syncs 5]
-                                     [--cpu-executor uni|mp] [--cpu-threads-bind auto|all]
+                                     [--cpu-executor uni|mp] [--cpu-threads-bind auto|all] [--replicas N]
 
 Both engines sample the same ``--prompts`` prompts (BabyAI-style chat prompts) for ``--new-tokens`` new tokens
 each (``ignore`` of the end-of-turn id is not possible in the hf engine, so a turn may end early: tokens/s counts
 the tokens actually generated). The hf engine runs ``generate`` in this process with one batch of all prompts and
 the machine's torch threads; the vllm engine sends them as concurrent requests (one per prompt, each with its own
-seed) to a server started here. ``--repeats`` timed generations per engine, interleaved, each after ``--settle``
-seconds of quiet (the engine timed before it leaves spinning threads behind: torch's OpenMP workers and, with
-``--cpu-executor mp``, vLLM's engine core and worker, which poll their queue for a second after their last message;
-on 2 cores a generation that starts beside them can fall into a mode of tiny batches several times slower); medians
-reported. Then
-``--syncs`` weight syncs are timed both ways: ``sync`` saves a checkpoint folder the server loads in place;
-``sync_collective`` broadcasts the tensors over a gloo group with the process that runs the server's model (NCCL
-or HCCL on accelerators); each is verified by the probe. Prints a JSON line; the figures in the README come from it.
+seed) to a server started here, or to ``--replicas`` servers side by side (``policy_server.replicas``: on a CPU
+each pinned to its share of the cores, the requests spread over them). ``--repeats`` timed generations per
+engine, interleaved, each after ``--settle`` seconds of quiet (the engine timed before it leaves spinning threads
+behind: torch's OpenMP workers and, with ``--cpu-executor mp``, vLLM's engine core and worker, which poll their
+queue for a second after their last message; on 2 cores a generation that starts beside them can fall into a mode
+of tiny batches several times slower); medians reported. Then ``--syncs`` weight syncs are timed both ways:
+``sync`` saves a checkpoint folder the server loads in place; ``sync_collective`` broadcasts the tensors over a
+gloo group with the process that runs the server's model (NCCL or HCCL on accelerators; one server only); each is
+verified by the probe (on every replica). Prints a JSON line; the figures in the README come from it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--cpu-threads-bind", default="auto", help="policy_server.cpu_threads_bind of an mp server "
                         "(auto: vLLM keeps a core for its scheduler; all: every core)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed generation")
+    parser.add_argument("--replicas", type=int, default=1, help="policy_server.replicas: servers side by side")
     args = parser.parse_args()
 
     from benchmarks import tiny_model
@@ -68,7 +70,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     out: dict[str, object] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
                               "settle_s": args.settle, "cpu_executor": args.cpu_executor,
-                              "cpu_threads_bind": args.cpu_threads_bind,
+                              "cpu_threads_bind": args.cpu_threads_bind, "replicas": args.replicas,
                               "torch_threads": torch.get_num_threads()}
 
     def timed(engine: object) -> tuple[int, float]:
@@ -86,9 +88,9 @@ def main() -> None:
     hf.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     budget = max(len(p) for p in prompts) + args.new_tokens
     started = time.perf_counter()
-    with running_vllm(Path(args.model), PolicyServerConfig(cpu_executor=args.cpu_executor,
-                                                              cpu_threads_bind=args.cpu_threads_bind),
-                      max_model_len=budget) as url:
+    server = PolicyServerConfig(cpu_executor=args.cpu_executor, cpu_threads_bind=args.cpu_threads_bind,
+                                replicas=args.replicas)
+    with running_vllm(Path(args.model), server, max_model_len=budget) as url:
         out["vllm_start_s"] = round(time.perf_counter() - started, 1)
         engine = VLLMEngine(url, tokenizer.eos_token_id)
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
@@ -100,7 +102,8 @@ def main() -> None:
         out["speedup"] = round(out["vllm"]["tokens_per_s_median"] / out["hf"]["tokens_per_s_median"], 2)  # type: ignore[index]
         trained = copy.deepcopy(model)
         params_count = sum(p.numel() for p in model.parameters())
-        for key, channel in (("sync", None), ("sync_collective", "gloo")):  # by checkpoint folder; broadcast
+        transports = [("sync", None), ("sync_collective", "gloo")][:1 if args.replicas > 1 else 2]
+        for key, channel in transports:  # by checkpoint folder; broadcast
             sync = WeightSync(engine, probe_sequence(tokenizer),
                               channel=WeightChannel(engine, channel) if channel else None)
             times, diffs = [], []

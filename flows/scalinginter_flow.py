@@ -133,15 +133,15 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
                 teardown_server(pid)
             raise
         url = ";".join(f"{e}={u}" for e, u in urls.items())
-    policy_url, policy_pid = None, None
+    policy_url, policy_pids = None, []
     try:
         train, evaluation = train_config(env, profile, params=params), eval_config(env, profile, params)
         if "vllm" in (train.engine, evaluation.engine):  # one server for the run, loaded with each phase's weights
             server = policy_server_config(params)
             length = max(server.max_len(train.context_budget, train.max_new_tokens),
                          server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
-            policy_url, policy_pid = provision_policy_server(base, server, length,
-                                                             train.lora.r if train.lora is not None else None)
+            policy_url, policy_pids = provision_policy_server(base, server, length,
+                                                              train.lora.r if train.lora is not None else None)
         rows, warm = [], []
         for k, stage in enumerate(pipeline_stages(curriculum.warm_start)):  # sft / rft rounds / dpo before the RL
             print(f"warm start {k}: {stage.method}")
@@ -155,8 +155,8 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
     finally:
         for pid in pids:
             teardown_server(pid)
-        if policy_pid is not None:
-            teardown_server(policy_pid)
+        for pid in policy_pids:
+            teardown_server(pid)
     report = build_report(env)
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())

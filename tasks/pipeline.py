@@ -125,15 +125,17 @@ def build_base_model() -> Path:
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
 def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_model_len: int,
-                            lora_rank: int | None = None) -> tuple[str, int]:
-    """Start the vllm engine's server (health-checked) on ``model_dir``; returns (url, pid). Each phase and the
-    evaluation load their own weights into it and verify them with the probe before sampling; with ``lora_rank``
-    (train.lora) a phase keeps its starting weights there and syncs its adapters in place."""
-    from training.vllm_engine import start_vllm, stop_vllm
+                            lora_rank: int | None = None) -> tuple[str, list[int]]:
+    """Start the vllm engine's servers (``server.replicas``, health-checked) on ``model_dir``; returns (their URLs
+    comma-separated, their pids). Each phase and the evaluation load their own weights into them and verify them
+    with the probe before sampling; with ``lora_rank`` (train.lora) a phase keeps its starting weights there and
+    syncs its adapters in place."""
+    from training.vllm_engine import start_vllm_replicas, stop_vllm
 
-    url, proc = start_vllm(model_dir, server, max_model_len, lora_rank)
-    _servers[proc.pid] = (proc, stop_vllm)
-    return url, proc.pid
+    url, procs = start_vllm_replicas(model_dir, server, max_model_len, lora_rank)
+    for proc in procs:
+        _servers[proc.pid] = (proc, stop_vllm)
+    return url, [proc.pid for proc in procs]
 
 
 @task

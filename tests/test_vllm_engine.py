@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,9 +30,12 @@ from training.vllm_engine import (
     EngineError,
     VLLMEngine,
     WeightSync,
+    probe_logprobs,
     probe_sequence,
     running_vllm,
     sendable_state,
+    start_vllm_replicas,
+    stop_vllm_all,
     tensors_hash,
     weights_hash,
 )
@@ -138,6 +142,47 @@ def test_weight_sync_makes_the_server_serve_the_trainers_weights(vllm_url, tiny_
         back = sync.push(model, step=0, folder=tiny_model_dir)
         sync.close()
     assert back.hash == weights_hash(tiny_model_dir) and not sync.workdir.exists()
+
+
+def test_replicas_split_the_requests_give_the_same_samples_and_all_take_each_sync(tiny_policy, tiny_model_dir
+                                                                                  ) -> None:
+    """policy_server.replicas: 2 starts two servers, each pinned to its own core; a batch is spread over both with
+    the samples one server gives for the same seeds, and a weight sync reaches (and is verified on) each."""
+    model, tokenizer = tiny_policy
+    config = PolicyServerConfig(replicas=2)
+    url, procs = start_vllm_replicas(tiny_model_dir, config, max_model_len=512)
+    try:
+        urls = url.split(",")
+        assert len(urls) == 2 and len(set(urls)) == 2
+        cores = [os.sched_getaffinity(proc.pid) for proc in procs]
+        assert cores[0] and cores[1] and not cores[0] & cores[1]  # each its own share of the cores
+        chat = ChatFormat(tokenizer)
+        prompts = [chat.prompt([{"role": "user", "content": f"go to the {c} key"}]) for c in "abcdefgh"]
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+        both = VLLMEngine(url, tokenizer.eos_token_id)
+        spread = both.generate(prompts, params)
+        alone = VLLMEngine(urls[1], tokenizer.eos_token_id).generate(prompts, params)
+        assert [g.token_ids for g in spread] == [g.token_ids for g in alone]
+        assert [g.logprobs for g in spread] == [pytest.approx(g.logprobs, abs=1e-5) for g in alone]
+        served = [httpx.get(f"{u}/metrics", timeout=30).text for u in urls]  # each server answered some requests
+        assert all(re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} [1-9]', text, re.M)
+                   for text in served), [line for text in served for line in text.splitlines() if "success" in line]
+        changed = copy.deepcopy(model)
+        with torch.no_grad():
+            for param in changed.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        sync = WeightSync(both, probe_sequence(tokenizer))
+        version = sync.push(changed, step=1)
+        assert version.probe_max_diff <= 1e-3
+        for server in range(2):  # each replica serves the new weights
+            got = torch.tensor(both.prompt_logprobs(sync.probe_ids, server))
+            assert float((got - torch.tensor(probe_logprobs(changed, sync.probe_ids))).abs().max()) <= 1e-3
+        sync.close()
+    finally:
+        stop_vllm_all(procs)
+    assert all(proc.poll() is not None for proc in procs)
+    with pytest.raises(ValueError, match="sync their weights by disk"):
+        PolicyServerConfig(replicas=2, weight_transfer="collective")
 
 
 def test_a_collective_sync_broadcasts_the_weights_without_writing_them(vllm_url, tiny_policy, tiny_model_dir

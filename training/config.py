@@ -342,12 +342,23 @@ class PolicyServerConfig(BaseModel):
         "worker process of its own, vLLM's CPU default, the one `cpu_threads_bind` binds")
     startup_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
+    replicas: int = Field(1, ge=1, description="servers of the policy side by side (data parallel, as OpenRLHF's "
+                          "vllm_num_engines): each on its own GPU (NPU), or on a CPU its own share of the cores; "
+                          "requests go to the least busy, every weight sync reaches them all")
     weight_transfer: Literal["disk", "collective"] = Field(
         "disk", description="how a weight sync reaches the server: `disk` saves a checkpoint folder it loads in "
         "place (a file system both see); `collective` broadcasts the tensors over a process group of the trainer "
         "and the server's workers (gloo on CPU, NCCL on CUDA, HCCL on Ascend), nothing written")
     weight_transfer_host: str = Field("127.0.0.1", description="collective transfer: the trainer's address as the "
                                       "server's workers reach it")
+
+    @model_validator(mode="after")
+    def _replicas_sync_by_disk(self) -> PolicyServerConfig:
+        if self.replicas > 1 and self.weight_transfer == "collective":
+            raise ValueError(f"replicas: {self.replicas} sync their weights by disk (each loads the same checkpoint "
+                             "folder); the collective transfer forms one group with one server's workers: set "
+                             "weight_transfer: disk, or replicas: 1")
+        return self
 
     @model_validator(mode="after")
     def _bind_needs_a_worker(self) -> PolicyServerConfig:

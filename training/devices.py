@@ -63,3 +63,26 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision != "bf16":
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def replica_placement(index: int, count: int) -> tuple[list[int] | None, dict[str, str]]:
+    """Where replica ``index`` of ``count`` side-by-side servers runs: (the CPU cores to pin it to, or None; the
+    environment variables that give it its own accelerator). On a CUDA or Ascend machine each replica takes one
+    visible device (the ``index``-th of those this process sees); on a CPU each takes an even share of this
+    process's cores, its threads capped to them. One replica: None and nothing (the server's own defaults)."""
+    if count == 1:
+        return None, {}
+    device = resolve_device("auto")
+    if device.type in ("cuda", "npu"):
+        var = "CUDA_VISIBLE_DEVICES" if device.type == "cuda" else "ASCEND_RT_VISIBLE_DEVICES"
+        visible = os.environ.get(var)
+        devices = visible.split(",") if visible else [str(i) for i in range(
+            torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count())]  # type: ignore[attr-defined]
+        if count > len(devices):
+            raise ValueError(f"{count} policy server replicas need {count} devices; {len(devices)} are visible")
+        return None, {var: devices[index]}
+    cores = sorted(os.sched_getaffinity(0))
+    if count > len(cores):
+        raise ValueError(f"{count} policy server replicas need a CPU core each; this process may use {len(cores)}")
+    share = cores[index * len(cores) // count:(index + 1) * len(cores) // count]
+    return share, {"OMP_NUM_THREADS": str(len(share))}

@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,7 @@ from envs.launcher import ROOT, free_port, wait_healthy
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
-from training.devices import resolve_device
+from training.devices import replica_placement, resolve_device
 from training.engine import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,18 +121,25 @@ def server_env(config: PolicyServerConfig, lora: bool = False) -> dict[str, str]
 
 
 def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
-               lora_rank: int | None = None) -> tuple[str, subprocess.Popen]:
+               lora_rank: int | None = None, replica: int = 0) -> tuple[str, subprocess.Popen]:
     """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
     whose tail is in the error when it does not come up. ``lora_rank``: it serves LoRA adapters of up to that
-    rank, loaded at run time (the trainer's LoRA weight sync)."""
+    rank, loaded at run time (the trainer's LoRA weight sync). ``replica``: which of ``config.replicas`` it is (its
+    device, or its share of the CPU cores: :func:`training.devices.replica_placement`)."""
     if not (Path(model_dir) / "config.json").exists():
         raise EngineError(f"{model_dir} is not a model folder (no config.json): build it first "
                           "(`scalinginter build-model`, or `dvc repro build_model`)")
+    try:
+        cores, placed = replica_placement(replica, config.replicas)
+    except ValueError as err:
+        raise EngineError(f"policy_server.replicas: {err}") from err
     port = free_port()
     cmd = server_command(Path(model_dir), port, config, max_model_len, lora_rank)
-    env = server_env(config, lora=lora_rank is not None)
+    env = {**server_env(config, lora=lora_rank is not None), **placed}
     log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if cores is not None:  # before the interpreter has started its threads, which inherit it
+        os.sched_setaffinity(proc.pid, cores)
     proc.log_path = log.name  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
     try:
@@ -173,15 +181,36 @@ def _logged_errors(log: Path) -> bool:
     return " ERROR " in text or "Traceback (most recent call last)" in text
 
 
+def start_vllm_replicas(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
+                        lora_rank: int | None = None) -> tuple[str, list[subprocess.Popen]]:
+    """``config.replicas`` servers of :func:`start_vllm`, started side by side: (their URLs joined by commas, which
+    :class:`VLLMEngine` takes, and their processes). If one does not come up, the others are stopped too."""
+    with ThreadPoolExecutor(max_workers=config.replicas) as pool:
+        started = [pool.submit(start_vllm, model_dir, config, max_model_len, lora_rank, i)
+                   for i in range(config.replicas)]
+        done = [f.exception() or f.result() for f in started]
+    failed = [d for d in done if isinstance(d, BaseException)]
+    if failed:
+        stop_vllm_all([d[1] for d in done if not isinstance(d, BaseException)])
+        raise failed[0]
+    return ",".join(url for url, _ in done), [proc for _, proc in done]
+
+
+def stop_vllm_all(procs: list[subprocess.Popen]) -> None:
+    """:func:`stop_vllm` for each server, side by side."""
+    with ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
+        list(pool.map(stop_vllm, procs))
+
+
 @contextlib.contextmanager
 def running_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
                  lora_rank: int | None = None) -> Iterator[str]:
-    """:func:`start_vllm` as a context manager: yield the base URL; always stop the server."""
-    url, proc = start_vllm(model_dir, config, max_model_len, lora_rank)
+    """:func:`start_vllm_replicas` as a context manager: yield the URL(s); always stop the servers."""
+    url, procs = start_vllm_replicas(model_dir, config, max_model_len, lora_rank)
     try:
         yield url
     finally:
-        stop_vllm(proc)
+        stop_vllm_all(procs)
 
 
 def _seed(seed: int | None, index: int) -> int | None:
@@ -191,7 +220,10 @@ def _seed(seed: int | None, index: int) -> int | None:
 class VLLMEngine:
     """``PolicyEngine`` over an OpenAI-compatible server that takes token-id prompts (vLLM, or an outside one).
 
-    ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or log.
+    ``url`` may name several servers of the same weights, joined by commas (``policy_server.replicas``): each
+    request goes to the one with the fewest requests in flight, and every control call (weight loads, cache resets)
+    to all of them. ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or
+    log.
     """
 
     concurrent = True  # the server batches concurrent requests continuously: each trajectory may call on its own
@@ -199,28 +231,50 @@ class VLLMEngine:
     def __init__(self, url: str, eos_token_id: int, model: str = SERVED_NAME, api_key: str | None = None,
                  concurrency: int = 64, timeout_s: float = 600.0, retries: int = 2,
                  api: Literal["auto", "generate", "completions"] = "auto") -> None:
-        self.url, self.eos_token_id, self.model = url.rstrip("/"), int(eos_token_id), model
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        if not self.urls:
+            raise EngineError("the vllm engine needs a policy server's URL")
+        self.url, self.eos_token_id, self.model = ",".join(self.urls), int(eos_token_id), model
         self.concurrency, self.retries = concurrency, retries
         self.api = api  # auto: the token endpoint when the server's OpenAPI schema lists it (asked once)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
-                                   limits=httpx.Limits(max_connections=concurrency), verify=tls_context())
+        self.clients = [httpx.Client(base_url=u, headers=headers, timeout=timeout_s, verify=tls_context(),
+                                     limits=httpx.Limits(max_connections=concurrency)) for u in self.urls]
+        self.client = self.clients[0]
+        self._in_flight = [0] * len(self.urls)
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
+    def _least_busy(self) -> int:
+        with self._lock:
+            server = min(range(len(self.urls)), key=self._in_flight.__getitem__)
+            self._in_flight[server] += 1
+        return server
+
+    def _done(self, server: int) -> None:
+        with self._lock:
+            self._in_flight[server] -= 1
+
+    def _post_all(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """POST to every server (in order); their answers."""
+        return [self._post(path, body, server) for server in range(len(self.urls))]
+
+    def _post(self, path: str, body: dict[str, Any], server: int = 0) -> Any:
+        url = self.urls[server]
         for attempt in range(self.retries + 1):
             try:
-                response = self.client.post(path, json=body)
+                response = self.clients[server].post(path, json=body)
             except httpx.TransportError as err:
                 if attempt == self.retries:
-                    raise EngineError(f"policy server {self.url} unreachable on POST {path} after "
+                    raise EngineError(f"policy server {url} unreachable on POST {path} after "
                                       f"{self.retries + 1} tries: {type(err).__name__}: {err}") from err
                 time.sleep(0.5 * 2**attempt)
                 continue
             if response.status_code != 200:
-                raise EngineError(f"policy server {self.url}: POST {path} answered {response.status_code}: "
+                raise EngineError(f"policy server {url}: POST {path} answered {response.status_code}: "
                                   f"{response.text[:500]}")
             if not response.content:
                 return None
@@ -240,24 +294,28 @@ class VLLMEngine:
             sampling["top_k"] = params.top_k
         if seed is not None:
             sampling["seed"] = seed
+        server = self._least_busy()
         try:
             if self.api == "generate":
                 answer = self._post("/inference/v1/generate", {
-                    "model": self.model, "token_ids": prompt, "sampling_params": {**sampling, "detokenize": False}})
+                    "model": self.model, "token_ids": prompt, "sampling_params": {**sampling, "detokenize": False}},
+                    server)
                 choice = answer["choices"][0]
                 logprobs = [float(x["logprob"]) for x in choice["logprobs"]["content"]]
             else:
                 answer = self._post("/v1/completions", {"model": self.model, "prompt": prompt, **sampling,
-                                                        "return_token_ids": True})
+                                                        "return_token_ids": True}, server)
                 choice = answer["choices"][0]
                 logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             ids = [int(t) for t in choice["token_ids"]]
         except (KeyError, IndexError, TypeError) as err:
-            raise EngineError(f"policy server {self.url} answered without token ids and log-probs ({err!r}); it "
-                              "must accept `return_token_ids` (vLLM >= 0.10)") from err
+            raise EngineError(f"policy server {self.urls[server]} answered without token ids and log-probs "
+                              f"({err!r}); it must accept `return_token_ids` (vLLM >= 0.10)") from err
+        finally:
+            self._done(server)
         if not ids or len(ids) != len(logprobs):
-            raise EngineError(f"policy server {self.url} returned {len(ids)} tokens and {len(logprobs)} log-probs "
-                              "for one turn: refusing an empty or misaligned generation")
+            raise EngineError(f"policy server {self.urls[server]} returned {len(ids)} tokens and {len(logprobs)} "
+                              "log-probs for one turn: refusing an empty or misaligned generation")
         return Generation(ids, logprobs, ids[-1] == self.eos_token_id)
 
     def _choose_api(self) -> None:
@@ -281,21 +339,21 @@ class VLLMEngine:
                        for i, prompt in enumerate(prompts)]
             return [f.result() for f in futures]
 
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """The server's log-probs (temperature 1) of ``ids[1:]``, each given the ids before it."""
+    def prompt_logprobs(self, ids: list[int], server: int = 0) -> list[float]:
+        """The log-probs (temperature 1) of ``ids[1:]``, each given the ids before it, from the ``server``-th server."""
         answer = self._post("/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
-                                                "temperature": 1.0, "prompt_logprobs": 0})
+                                                "temperature": 1.0, "prompt_logprobs": 0}, server)
         rows = answer["choices"][0]["prompt_logprobs"]
         return [float(rows[i][str(ids[i])]["logprob"]) for i in range(1, len(ids))]
 
     def reset_cache(self) -> None:
         """Drop the prefix cache: its KV blocks were computed by the weights served before."""
-        self._post("/reset_prefix_cache", {})
+        self._post_all("/reset_prefix_cache", {})
 
     def rpc(self, method: str, **kwargs: Any) -> list[Any]:
-        """Call ``method`` of :mod:`training.vllm_worker` on every worker of the server; their answers."""
-        answer = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})
-        return list(answer["results"]) if isinstance(answer, dict) else []
+        """Call ``method`` of :mod:`training.vllm_worker` on every worker of every server; their answers."""
+        answers = self._post_all("/collective_rpc", {"method": method, "kwargs": kwargs})
+        return [r for answer in answers if isinstance(answer, dict) for r in answer["results"]]
 
     def load_weights(self, folder: Path) -> None:
         """Load the HF checkpoint ``folder`` (on the server's file system) in place; drop the prefix cache."""
@@ -306,14 +364,14 @@ class VLLMEngine:
         """Serve the LoRA adapter in ``folder`` as ``name`` from now on (on top of the loaded weights); the adapter
         served before is unloaded. Needs a server started with LoRA enabled (``start_vllm(lora_rank=...)``)."""
         try:
-            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
+            self._post_all("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
         except EngineError as err:
             raise EngineError(f"{err}; the policy server must serve LoRA adapters (started with --enable-lora and "
                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as run_phase and the flow start it for "
                               "train.lora)") from err
         previous, self.model = self.model, name
         if previous != SERVED_NAME:
-            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
+            self._post_all("/v1/unload_lora_adapter", {"lora_name": previous})
         self.reset_cache()
 
 
@@ -537,14 +595,17 @@ class WeightSync:
         return sync
 
     def verify(self, model: torch.nn.Module) -> float:
-        """Max abs difference between the server's and ``model``'s probe log-probs; an error above tolerance."""
-        served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids))
+        """Max abs difference between each server's and ``model``'s probe log-probs; an error above tolerance."""
         local = torch.tensor(probe_logprobs(model, self.probe_ids))
-        diff = float((served - local).abs().max())
-        if not diff <= self.tolerance:
-            raise EngineError(f"the policy server {self.engine.url} serves other weights than the trainer's: probe "
-                              f"log-probs differ by {diff:.3g} (tolerance {self.tolerance:g})")
-        return diff
+        worst = 0.0
+        for server, url in enumerate(self.engine.urls):
+            served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids, server))
+            diff = float((served - local).abs().max())
+            if not diff <= self.tolerance:
+                raise EngineError(f"the policy server {url} serves other weights than the trainer's: probe "
+                                  f"log-probs differ by {diff:.3g} (tolerance {self.tolerance:g})")
+            worst = max(worst, diff)
+        return worst
 
     def push(self, model: torch.nn.Module, step: int, folder: Path | None = None,
              save: Any = None, state: dict[str, torch.Tensor] | None = None) -> WeightVersion:
