@@ -240,7 +240,6 @@ class VLLMEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.clients = [httpx.Client(base_url=u, headers=headers, timeout=timeout_s, verify=tls_context(),
                                      limits=httpx.Limits(max_connections=concurrency)) for u in self.urls]
-        self.client = self.clients[0]
         self._in_flight = [0] * len(self.urls)
         self._lock = threading.Lock()
 
@@ -323,7 +322,7 @@ class VLLMEngine:
         if self.api != "auto":
             return
         try:
-            paths = self.client.get("/openapi.json").json().get("paths", {})
+            paths = self.clients[0].get("/openapi.json").json().get("paths", {})
         except (httpx.HTTPError, ValueError, AttributeError):
             paths = {}
         self.api = "generate" if "/inference/v1/generate" in paths else "completions"
