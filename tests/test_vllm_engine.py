@@ -296,15 +296,15 @@ def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_ser
 
 
 def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_path, monkeypatch) -> None:
-    """train.engine and eval.engine vllm through the Prefect flow: one server for the run (stopped at the end),
-    each phase and the evaluation load and verify their own weights; the settings reach dvc.lock, the checkpoints
-    record what was served, and the lineage check passes."""
+    """train.engine and eval.engine vllm through the Prefect flow: one set of servers for the run (two replicas
+    here, all stopped at the end), each phase and the evaluation load and verify their own weights; the settings
+    reach dvc.lock, the checkpoints record what was served, and the lineage check passes."""
     from flows.dvc_pipeline import set_params
     from tests.test_pipeline import _sh, _workspace
     from training.checkpoint import read_manifest
 
     work = _workspace(tmp_path, one_step_phases=2)
-    set_params({"train.smoke.engine": "vllm", "eval.smoke.engine": "vllm"}, work)
+    set_params({"train.smoke.engine": "vllm", "eval.smoke.engine": "vllm", "policy_server.replicas": 2}, work)
     _sh(work, "scalinginter", "pipeline")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200",
@@ -313,11 +313,12 @@ def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_p
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = done.stdout + done.stderr
-    assert "provision_policy_server" in log and log.count("teardown_server") >= 2  # the env and the vLLM server
+    assert "provision_policy_server" in log and log.count("teardown_server") >= 3  # the env and two vLLM servers
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
     for stage in ("babyai_phase_0", "babyai_phase_1", "babyai_eval"):
         params = lock[stage]["params"]["params.yaml"]
         assert params["train.smoke"]["engine"] == "vllm" and params["policy_server"]["probe_tolerance"] == 1e-3
+        assert params["policy_server"]["replicas"] == 2
     assert lock["babyai_eval"]["params"]["params.yaml"]["eval.smoke"]["engine"] == "vllm"
     for index in (0, 1):
         engine = read_manifest(work / f"runs/babyai/phase-{index}/final")["engine"]
