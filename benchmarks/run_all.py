@@ -4,9 +4,9 @@ docs/benchmarks.md (figure, target, command, date, machine load, seconds). ``mak
     python benchmarks/run_all.py [--only NAME ...] [--out docs/benchmarks.md]
 
 The long measurements are not rerun here (their own documents carry their figures): the learning benchmarks
-(benchmarks/learning_babyai.py, bandit_learning_seeds.py), the curriculum study (docs/curriculum-study.md), the
-30-minute soaks and the 10,000-request fuzzing (docs/reliability.md). A benchmark that fails or is missing its
-optional dependency is a row saying so, never a silent gap.
+(benchmarks/learning_babyai.py, bandit_learning_seeds.py; docs/measurements.md), the curriculum study
+(docs/curriculum-study.md), the 30-minute soaks and the 10,000-request fuzzing (docs/reliability.md). A benchmark
+that fails or is missing its optional dependency is a row saying so, never a silent gap.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def write(rows: list[dict[str, str]], out: Path, note: str = "") -> None:
     lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
               for r in rows]
     lines += ["", "Not rerun here (long; figures in their own documents): the learning benchmarks "
-              "(`benchmarks/learning_babyai.py`, `benchmarks/bandit_learning_seeds.py`, README), the curriculum "
-              "study (`docs/curriculum-study.md`), the 30-minute soaks and 10,000-request fuzzing "
+              "(`benchmarks/learning_babyai.py`, `benchmarks/bandit_learning_seeds.py`, `docs/measurements.md`), the "
+              "curriculum study (`docs/curriculum-study.md`), the 30-minute soaks and 10,000-request fuzzing "
               "(`docs/reliability.md`).", ""]
     atomic_write(out, "\n".join(lines))
 
