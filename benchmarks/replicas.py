@@ -2,6 +2,7 @@
 
     python benchmarks/replicas.py [--env babyai|textcraft|sciworld] [--trajectories 64] [--h 10] [--repeats 3]
     python benchmarks/replicas.py --engine vllm --env sciworld --trajectories 64 --h 10 --heap 128m  # issue 19's figure
+                                  [--policy-replicas 2]
 
 The policy is scripted (every reply ``turn left``, no model), so the time is the environment's: parsing, the
 HTTP round trips and the simulator. Prints env-steps/s with one server and with two (each its own process, so
@@ -78,6 +79,8 @@ def main() -> None:
                              "resident a JVM, ~200 MiB at 128m)")
     parser.add_argument("--cpu-executor", default="uni", choices=["uni", "mp"],
                         help="--engine vllm: policy_server.cpu_executor of the server")
+    parser.add_argument("--policy-replicas", type=int, default=1,
+                        help="--engine vllm: policy_server.replicas (vLLM servers side by side)")
     args = parser.parse_args()
     if args.engine == "vllm":
         if args.async_batch is None:
@@ -153,7 +156,7 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     items = [r["item_id"] for r in load_split(args.env, "train")[: args.trajectories // 4]]
     budget, new_tokens = 4096, 24
     per_s: dict[str, list[float]] = {"lockstep": [], "async": []}
-    server = PolicyServerConfig(cpu_executor=args.cpu_executor)
+    server = PolicyServerConfig(cpu_executor=args.cpu_executor, replicas=args.policy_replicas)
     with running_vllm(model_dir, server, max_model_len=budget + new_tokens) as policy_url, \
             running_replicas(args.env, 1, **server_options(args.env, args.trajectories, args.heap)) as url:
         engine = VLLMEngine(policy_url, tokenizer.eos_token_id)
@@ -174,8 +177,8 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
                                   "turns": sum(len(t.turns) for t in result.trajectories),
                                   "trajectories_per_s": round(per_s[mode][-1], 3)}), flush=True)
     best = {mode: max(rates) for mode, rates in per_s.items()}
-    print(json.dumps({"engine": "vllm", "cpu_executor": args.cpu_executor, "env": args.env, "h": args.h,
-                      "async_batch": args.async_batch,
+    print(json.dumps({"engine": "vllm", "cpu_executor": args.cpu_executor, "policy_replicas": args.policy_replicas,
+                      "env": args.env, "h": args.h, "async_batch": args.async_batch,
                       "speedup_async_vs_lockstep": round(best["async"] / best["lockstep"], 2)}), flush=True)
 
 
