@@ -88,7 +88,7 @@ def run(bench: Bench) -> dict[str, str]:
         except subprocess.TimeoutExpired:
             figure = f"FAILED: over {bench.timeout_s} s"
     return {"name": bench.name, "figure": figure.replace("|", "/"), "target": bench.target, "command": command,
-            "seconds": f"{time.perf_counter() - started:.0f}",
+            "date": dt.date.today().isoformat(), "seconds": f"{time.perf_counter() - started:.0f}",
             "load": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
 
 
@@ -109,14 +109,15 @@ def write(rows: list[dict[str, str]], out: Path, note: str = "") -> None:
 
     cores = os.cpu_count()
     lines = ["# Benchmarks", "",
-             f"Written by `make bench` (`python benchmarks/run_all.py`) on {dt.date.today().isoformat()}: "
-             f"{platform.machine()} ({cpu_model()}), {cores} cores, Python {platform.python_version()}. Load is the "
-             "1-minute load average before -> after each benchmark (other work on the machine shows there). Sizes are "
-             "reduced to fit ~20 minutes; each command runs alone at full size too.",
+             f"Written by `make bench` (`python benchmarks/run_all.py`), last on {dt.date.today().isoformat()}: "
+             f"{platform.machine()} ({cpu_model()}), {cores} cores, Python {platform.python_version()}. Each row's "
+             "date is its own run's (`--only` reruns some rows and keeps the others). Load is the 1-minute load "
+             "average before -> after each benchmark (other work on the machine shows there). Sizes are reduced to fit "
+             "~20 minutes; each command runs alone at full size too.",
              *(["", note, ""] if note else [""]),
-             "| benchmark | figure | target | command | seconds | load |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['seconds']} | {r['load']} |"
-              for r in rows]
+             "| benchmark | figure | target | command | date | seconds | load |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['figure']} | {r['target']} | `{r['command']}` | {r['date']} | {r['seconds']} | "
+              f"{r['load']} |" for r in rows]
     lines += ["", "Not rerun here (long; figures in their own documents): the learning benchmarks "
               "(`benchmarks/learning_babyai.py`, `benchmarks/bandit_learning_seeds.py`, `docs/measurements.md`), the "
               "curriculum study (`docs/curriculum-study.md`), the 30-minute soaks and 10,000-request fuzzing "
@@ -150,13 +151,17 @@ def main() -> None:
 
 
 def existing(out: Path) -> tuple[list[dict[str, str]], str]:
-    """The rows of a benchmarks page :func:`write` wrote, and the note above its table."""
-    keys = ["name", "figure", "target", "command", "seconds", "load"]
+    """The rows of a benchmarks page :func:`write` wrote, and the note above its table. A page written before rows
+    had dates gives each row the page's date."""
+    keys = ["name", "figure", "target", "command", "date", "seconds", "load"]
     text = out.read_text().split("\n| benchmark |")[0]
     note = "\n".join(text.splitlines()[3:]).strip()
+    written = re.search(r"\b(\d{4}-\d{2}-\d{2})\b", text)
     rows = []
     for line in out.read_text().splitlines():
         cells = line.strip().removeprefix("| ").removesuffix(" |").split(" | ")
+        if len(cells) == len(keys) - 1:  # no date column
+            cells.insert(4, written.group(1) if written else "")
         if len(cells) == len(keys) and line.startswith("| ") and cells[0] not in ("benchmark", "---"):
             row = dict(zip(keys, cells, strict=True))
             row["command"] = row["command"].strip("`")

@@ -1,4 +1,5 @@
-"""`make bench`'s page: a partial rerun (--only) replaces its own rows and keeps the others and their note."""
+"""`make bench`'s page: a partial rerun (--only) replaces its own rows and keeps the others, their dates and the
+note."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ from benchmarks.run_all import existing, write
 
 def test_the_benchmarks_page_reads_back_what_it_wrote(tmp_path) -> None:
     rows = [{"name": f"bench {i}", "figure": f"{i} steps/s<br>more", "target": ">= 1", "command": f"python b{i}.py",
-             "seconds": str(i), "load": "1.0 -> 1.1"} for i in range(3)]
+             "date": f"2026-12-0{i + 1}", "seconds": str(i), "load": "1.0 -> 1.1"} for i in range(3)]
     page = tmp_path / "benchmarks.md"
     write(rows, page, "Ran beside the study.")
     again, note = existing(page)
     assert again == rows and note == "Ran beside the study."
     write(rows, page)
     assert existing(page) == (rows, "")
+
+
+def test_a_page_from_before_the_date_column_gives_its_rows_the_pages_date(tmp_path) -> None:
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nWritten by `make bench` on 2026-12-03: x86_64.\n\n"
+                    "| benchmark | figure | target | command | seconds | load |\n|---|---|---|---|---|---|\n"
+                    "| bench | 5 steps/s | >= 1 | `python b.py` | 7 | 0.1 -> 0.2 |\n")
+    rows, _ = existing(page)
+    assert rows == [{"name": "bench", "figure": "5 steps/s", "target": ">= 1", "command": "python b.py",
+                     "date": "2026-12-03", "seconds": "7", "load": "0.1 -> 0.2"}]
