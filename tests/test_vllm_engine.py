@@ -505,7 +505,6 @@ def test_lora_training_syncs_the_adapter_in_place(env_server, bandit_warm_start,
     from training.lora import LoraSettings
     from training.model import load_policy
     from training.trainer import train_phase
-    from training.vllm_engine import probe_logprobs
 
     config = TrainConfig(engine="vllm", lora=LoraSettings(r=4, alpha=8), batch_items=4, n_samples=2,
                          max_new_tokens=16, lr=2e-3, mini_batch_size=4, micro_batch_size=4, kl_coef=0)
