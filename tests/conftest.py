@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -51,11 +52,12 @@ def serving(app: object) -> Iterator[str]:
 
     import uvicorn
 
-    from envs.launcher import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket()  # bound here, on a port the kernel picks: no other process can take it first
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive(), "the server did not start"
@@ -65,6 +67,7 @@ def serving(app: object) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 @pytest.fixture(scope="session")

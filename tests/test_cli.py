@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 
 import httpx
 from typer.testing import CliRunner
 
-from envs.launcher import ROOT, free_port, wait_healthy
+from envs.launcher import launch, wait_healthy
 from flows.cli import app
 
 runner = CliRunner()
 
 
 def test_serve_starts_a_server_that_answers_health_and_stops_on_sigint() -> None:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "textcraft", "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url, proc = launch(lambda port: [sys.executable, "-m", "flows.cli", "serve", "textcraft", "--port", str(port)])
     try:
-        health = wait_healthy(f"http://127.0.0.1:{port}", proc)
+        health = wait_healthy(url, proc)
         assert health["env"] == "textcraft" and health["num_items"] == 544
-        assert httpx.post(f"http://127.0.0.1:{port}/create").status_code == 200
+        assert httpx.post(f"{url}/create").status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envs.launcher import free_port, wait_healthy
+from envs.launcher import PortTaken, free_port, wait_healthy
 from tests.test_pipeline import _sh, _workspace
 
 BIN = Path(sys.executable).parent
@@ -73,13 +73,22 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         assert done.returncode == 0, f"prefect {' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout + done.stderr
 
-    server = start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port))
-    worker = None
-    try:
+    for attempt in range(3):  # another process may take the free port before the server binds it
+        server = start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port))
         try:
             wait_healthy(f"http://127.0.0.1:{port}/api", server, 180)  # ~15 s quiet
+            break
+        except PortTaken:
+            _stop(server, (signal.SIGINT, signal.SIGTERM))
+            if attempt == 2:
+                raise
+            port = free_port()
+            env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
         except (RuntimeError, TimeoutError) as err:
+            _stop(server, (signal.SIGINT, signal.SIGTERM))
             raise AssertionError(f"the Prefect server: {err}\n{(logs / 'server.log').read_text()[-3000:]}") from err
+    worker = None
+    try:
         prefect("work-pool", "create", "scalinginter-cpu", "--type", "process")
         deployed = prefect("--no-prompt", "deploy", "--all")
         for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch", "babyai-from-git"):

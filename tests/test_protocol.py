@@ -364,3 +364,27 @@ def test_a_reset_that_fails_in_create_batch_leaves_no_instance_behind() -> None:
         assert http.get("/health").json()["instances"] == 2
         assert http.post("/close_batch", json={"ids": [body["results"][i]["id"] for i in (0, 2)]}).status_code == 200
         assert http.get("/health").json()["instances"] == 0
+
+
+def test_a_server_whose_port_another_process_took_is_started_again_on_its_own(monkeypatch) -> None:
+    # the race that made two tests of this module talk to each other's servers: free_port() gave a port that another
+    # process bound first; the new server failed to bind it, and the other server's /health answered for it
+    from fastapi import FastAPI
+
+    import envs.launcher as launcher
+    from tests.conftest import serving
+
+    squatter = FastAPI()
+    squatter.get("/health")(lambda: {"env": "not yours", "pid": os.getpid()})
+    real_free_port = launcher.free_port
+    with serving(squatter) as taken:
+        port = httpx.URL(taken).port
+        given = iter([port, port])  # the first two servers are given the squatter's port
+        monkeypatch.setattr(launcher, "free_port", lambda: next(given, None) or real_free_port())
+        with running_server("textcraft") as url, httpx.Client(base_url=url) as http:
+            health = http.get("/health").json()
+            assert url != taken and health["env"] == "textcraft" and health["pid"] != os.getpid()
+        given = iter([port] * 5)
+        with pytest.raises(launcher.PortTaken, match=rf"port {port} .*another process"):
+            launcher.start_server("textcraft")
+        assert httpx.get(f"{taken}/health").json()["env"] == "not yours"  # the squatter was left alone

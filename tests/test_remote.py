@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from envs.launcher import free_port, wait_healthy
+from envs.launcher import launch
 from tests.test_pipeline import _sh, _workspace
 from training.checkpoint import read_manifest
 
@@ -19,14 +19,11 @@ from training.checkpoint import read_manifest
 @pytest.fixture
 def s3_server():
     """moto's S3 server on a free port, with test credentials in the environment; stopped afterwards."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url, proc = launch(lambda port: [str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
+                       path="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # S3: any 200 answer
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
-        wait_healthy(url, proc, 60.0, path="/")  # S3 has no health endpoint: any 200 answer
         boto3.client("s3", endpoint_url=url).create_bucket(Bucket="scalinginter")
         yield url
     finally:

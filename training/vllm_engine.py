@@ -45,7 +45,7 @@ import httpx
 import torch
 
 from envs.client import tls_context
-from envs.launcher import ROOT, free_port, wait_healthy
+from envs.launcher import ROOT, PortTaken, free_port, wait_healthy
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"
 WORKER_EXTENSION = "training.vllm_worker.WeightLoader"
+PORT_ATTEMPTS = 3  # ports tried when another process takes the free one first (envs.launcher.PortTaken)
 
 
 class EngineError(RuntimeError):
@@ -133,24 +134,33 @@ def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
         cores, placed = replica_placement(replica, config.replicas)
     except ValueError as err:
         raise EngineError(f"policy_server.replicas: {err}") from err
-    port = free_port()
-    cmd = server_command(Path(model_dir), port, config, max_model_len, lora_rank)
-    env = {**server_env(config, lora=lora_rank is not None), **placed}
-    log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    if cores is not None:  # before the interpreter has started its threads, which inherit it
-        os.sched_setaffinity(proc.pid, cores)
-    proc.log_path = log.name  # type: ignore[attr-defined]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, config.startup_timeout_s)
-    except BaseException as err:
-        tail = Path(log.name).read_text(errors="replace")[-3000:]
-        proc.log_path = None  # type: ignore[attr-defined]  # kept: the error names it
-        stop_vllm(proc)
-        raise EngineError(f"the vLLM server for {model_dir} did not come up ({err}); its log {log.name} ends:\n"
-                          f"{tail}") from err
-    return url, proc
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        cmd = server_command(Path(model_dir), port, config, max_model_len, lora_rank)
+        env = {**server_env(config, lora=lora_rank is not None), **placed}
+        log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        if cores is not None:  # before the interpreter has started its threads, which inherit it
+            os.sched_setaffinity(proc.pid, cores)
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, config.startup_timeout_s)
+        except PortTaken as err:  # another process bound the free port first: another port
+            stop_vllm(proc)
+            Path(log.name).unlink(missing_ok=True)
+            if attempt < PORT_ATTEMPTS:
+                continue
+            raise EngineError(f"the vLLM server for {model_dir} found each port it was given taken ({err})") from err
+        except BaseException as err:
+            tail = Path(log.name).read_text(errors="replace")[-3000:]
+            proc.log_path = None  # type: ignore[attr-defined]  # kept: the error names it
+            stop_vllm(proc)
+            raise EngineError(f"the vLLM server for {model_dir} did not come up ({err}); its log {log.name} "
+                              f"ends:\n{tail}") from err
+        return url, proc
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def stop_vllm(proc: subprocess.Popen) -> None:
