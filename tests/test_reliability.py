@@ -71,8 +71,14 @@ def test_staging_folders_of_a_killed_write_are_removed_but_a_live_writers_stay(t
     for folder in [*stale, live, tmp_path / "intermediate" / "step-000001"]:
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"partial")
-    assert sorted(remove_stale_staging(tmp_path)) == sorted(stale)
+    # a rollout log's atomic write killed before its rename (found by a CI run of the kill -9 test), and a live one
+    (tmp_path / "rollouts").mkdir()
+    stale_log, live_log = (tmp_path / "rollouts" / f".tmp-step-000000.jsonl-{pid}" for pid in (dead.pid, os.getpid()))
+    for log in (stale_log, live_log, tmp_path / "rollouts" / "step-000000.jsonl"):
+        log.write_text('{"step": 0}\n')
+    assert sorted(remove_stale_staging(tmp_path)) == sorted([*stale, stale_log])
     assert live.exists() and (tmp_path / "intermediate" / "step-000001").exists()
+    assert live_log.exists() and (tmp_path / "rollouts" / "step-000000.jsonl").exists()
 
 
 @pytest.mark.slow

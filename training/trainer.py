@@ -652,20 +652,32 @@ def restore_logs(snapshot: Path, out_dir: Path) -> None:
             shutil.copy2(log, out_dir / "rollouts" / log.name)
 
 
+# a checkpoint's staging folder: .tmp-<name>-<pid>[-state] (one writer) or .tmp-<name> (ranks share it), and the
+# folder a replaced checkpoint is moved to, .old-<name>-<pid>
+_STAGED_CHECKPOINT = re.compile(r"\.(?:tmp|old)-(?:step-\d+|final)(?:-(\d+))?(?:-state)?")
+_STAGED_FILE = re.compile(r"\.tmp-.+-(\d+)")  # a file envs.files.atomic_write was writing: .tmp-<name>-<pid>
+
+
 def remove_stale_staging(out_dir: Path) -> list[Path]:
-    """Remove the staging folders a killed checkpoint write left in a phase folder (``.tmp-*``, ``.old-*``), except
+    """Remove what a killed write left anywhere in a phase folder: checkpoint staging folders (``.tmp-*``,
+    ``.old-*``) and the temporary files of atomic writes (a rollout log's ``.tmp-step-000003.jsonl-<pid>``), except
     those of a live process; returns what was removed."""
     removed = []
-    for folder in (out_dir, out_dir / "intermediate"):
-        for path in [*folder.glob(".tmp-*"), *folder.glob(".old-*")] if folder.exists() else []:
-            # .tmp-<name>-<pid>[-state] (one writer) or .tmp-<name> (ranks share it); .old-<name>-<pid>
-            match = re.fullmatch(r"\.(?:tmp|old)-(?:step-\d+|final)(?:-(\d+))?(?:-state)?", path.name)
+    for root, dirs, files in os.walk(out_dir) if out_dir.exists() else []:
+        for name, pattern, is_dir in [*((d, _STAGED_CHECKPOINT, True) for d in dirs),
+                                      *((f, _STAGED_FILE, False) for f in files)]:
+            match = pattern.fullmatch(name) if name.startswith((".tmp-", ".old-")) else None
             if match is None or (match.group(1) and pid_alive(int(match.group(1)))):
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            path = Path(root) / name
+            if is_dir:
+                shutil.rmtree(path, ignore_errors=True)
+                dirs.remove(name)  # not walked into
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
-        log.warning("removed %d staging folders left by an interrupted checkpoint write: %s", len(removed),
+        log.warning("removed %d staging folders and files left by an interrupted write: %s", len(removed),
                     ", ".join(p.name for p in removed))
     return removed
 
@@ -695,6 +707,7 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
     final = out_dir / "final"
     if (final / MANIFEST).exists():
         read_manifest(final, verify=True)
+        remove_stale_staging(out_dir)  # a run killed after its final checkpoint's manifest, before its clean-up
         return final
     envs = mixed_envs(env)
     check_scope(envs, config)  # before any server is asked
