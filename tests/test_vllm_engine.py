@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import re
 import signal
@@ -144,10 +145,11 @@ def test_weight_sync_makes_the_server_serve_the_trainers_weights(vllm_url, tiny_
     assert back.hash == weights_hash(tiny_model_dir) and not sync.workdir.exists()
 
 
-def test_replicas_split_the_requests_give_the_same_samples_and_all_take_each_sync(tiny_policy, tiny_model_dir
-                                                                                  ) -> None:
+def test_replicas_split_the_requests_give_the_same_samples_and_all_take_each_sync(tiny_policy, tiny_model_dir,
+                                                                                  caplog) -> None:
     """policy_server.replicas: 2 starts two servers, each pinned to its own core; a batch is spread over both with
-    the samples one server gives for the same seeds, and a weight sync reaches (and is verified on) each."""
+    the samples one server gives for the same seeds, and a weight sync reaches (and is verified on) each; when one
+    dies the other serves its requests and takes the syncs."""
     model, tokenizer = tiny_policy
     config = PolicyServerConfig(replicas=2)
     url, procs = start_vllm_replicas(tiny_model_dir, config, max_model_len=512)
@@ -177,6 +179,22 @@ def test_replicas_split_the_requests_give_the_same_samples_and_all_take_each_syn
         for server in range(2):  # each replica serves the new weights
             got = torch.tensor(both.prompt_logprobs(sync.probe_ids, server))
             assert float((got - torch.tensor(probe_logprobs(changed, sync.probe_ids))).abs().max()) <= 1e-3
+        # a replica that dies: its requests go to the other with their seeds (the same samples), syncs go on there
+        synced = both.generate(prompts, params)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        with caplog.at_level(logging.WARNING, logger="training.vllm_engine"):
+            survived = both.generate(prompts, params)
+        assert [g.token_ids for g in survived] == [g.token_ids for g in synced] and both.dead == {0}
+        assert f"policy server {urls[0]} stopped answering" in caplog.text
+        with torch.no_grad():
+            for param in changed.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        assert sync.push(changed, step=2).probe_max_diff <= 1e-3  # loaded on and checked against the live one
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        with pytest.raises(EngineError, match="every policy server is down"):
+            both.generate(prompts, params)
         sync.close()
     finally:
         stop_vllm_all(procs)

@@ -63,6 +63,10 @@ class EngineError(RuntimeError):
     """The policy server is unreachable, failed a request, or serves other weights than the trainer's."""
 
 
+class ServerUnreachable(EngineError):
+    """A policy server did not answer at all (after the engine's retries): down, not merely refusing a request."""
+
+
 def vllm_python() -> Path:
     """The Python of the vLLM environment: ``SCALINGINTER_VLLM_PYTHON`` or ``.venv-vllm`` (``make vllm``)."""
     path = Path(os.environ.get("SCALINGINTER_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
@@ -232,8 +236,10 @@ class VLLMEngine:
 
     ``url`` may name several servers of the same weights, joined by commas (``policy_server.replicas``): each
     request goes to the one with the fewest requests in flight, and every control call (weight loads, cache resets)
-    to all of them. ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or
-    log.
+    to all of them. A replica that stops answering is dropped for good (a warning names it, :attr:`dead` lists it)
+    and its requests go to the others with the same seeds, so the samples are those it would have given; weight
+    syncs and their checks go to the live ones. With none left, or with one server, it is an :class:`EngineError`.
+    ``api_key`` (for an outside server) is sent as a bearer token and never appears in an error or log.
     """
 
     concurrent = True  # the server batches concurrent requests continuously: each trajectory may call on its own
@@ -252,6 +258,24 @@ class VLLMEngine:
                                      limits=httpx.Limits(max_connections=concurrency)) for u in self.urls]
         self._in_flight = [0] * len(self.urls)
         self._lock = threading.Lock()
+        self.dead: set[int] = set()  # replicas that stopped answering: never asked again
+
+    @property
+    def live(self) -> list[int]:
+        """The servers still answering, in order."""
+        return [i for i in range(len(self.urls)) if i not in self.dead]
+
+    def drop(self, server: int, err: ServerUnreachable) -> None:
+        """Stop using ``server``; raise ``err`` if it was the last one (or the only one)."""
+        with self._lock:
+            self.dead.add(server)
+            left = len(self.urls) - len(self.dead)
+        if len(self.urls) == 1:
+            raise err
+        if not left:
+            raise EngineError(f"every policy server is down ({', '.join(self.urls)}); the last: {err}") from err
+        logger.warning("policy server %s stopped answering: its requests go to the %d other(s) from now on (%s)",
+                       self.urls[server], left, err)
 
     def close(self) -> None:
         for client in self.clients:
@@ -259,7 +283,10 @@ class VLLMEngine:
 
     def _least_busy(self) -> int:
         with self._lock:
-            server = min(range(len(self.urls)), key=self._in_flight.__getitem__)
+            live = [i for i in range(len(self.urls)) if i not in self.dead]
+            if not live:
+                raise EngineError(f"every policy server is down ({', '.join(self.urls)})")
+            server = min(live, key=self._in_flight.__getitem__)
             self._in_flight[server] += 1
         return server
 
@@ -268,8 +295,14 @@ class VLLMEngine:
             self._in_flight[server] -= 1
 
     def _post_all(self, path: str, body: dict[str, Any]) -> list[Any]:
-        """POST to every server (in order); their answers."""
-        return [self._post(path, body, server) for server in range(len(self.urls))]
+        """POST to every live server (in order); their answers. One that no longer answers is dropped."""
+        answers = []
+        for server in self.live:
+            try:
+                answers.append(self._post(path, body, server))
+            except ServerUnreachable as err:
+                self.drop(server, err)
+        return answers
 
     def _post(self, path: str, body: dict[str, Any], server: int = 0) -> Any:
         url = self.urls[server]
@@ -278,7 +311,7 @@ class VLLMEngine:
                 response = self.clients[server].post(path, json=body)
             except httpx.TransportError as err:
                 if attempt == self.retries:
-                    raise EngineError(f"policy server {url} unreachable on POST {path} after "
+                    raise ServerUnreachable(f"policy server {url} unreachable on POST {path} after "
                                       f"{self.retries + 1} tries: {type(err).__name__}: {err}") from err
                 time.sleep(0.5 * 2**attempt)
                 continue
@@ -294,6 +327,17 @@ class VLLMEngine:
         raise AssertionError("unreachable")
 
     def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> Generation:
+        """One prompt's turn from the least busy live server; from another when that one is down."""
+        while True:
+            server = self._least_busy()
+            try:
+                return self._ask(server, prompt, params, seed)
+            except ServerUnreachable as err:
+                self.drop(server, err)
+            finally:
+                self._done(server)
+
+    def _ask(self, server: int, prompt: list[int], params: SamplingParams, seed: int | None) -> Generation:
         sampling: dict[str, Any] = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
                                     "top_p": params.top_p, "logprobs": 0, "skip_special_tokens": False,
                                     # the end-of-turn id ends a turn (kept, with its log-prob), as in the hf engine;
@@ -303,7 +347,6 @@ class VLLMEngine:
             sampling["top_k"] = params.top_k
         if seed is not None:
             sampling["seed"] = seed
-        server = self._least_busy()
         try:
             if self.api == "generate":
                 answer = self._post("/inference/v1/generate", {
@@ -320,8 +363,6 @@ class VLLMEngine:
         except (KeyError, IndexError, TypeError) as err:
             raise EngineError(f"policy server {self.urls[server]} answered without token ids and log-probs "
                               f"({err!r}); it must accept `return_token_ids` (vLLM >= 0.10)") from err
-        finally:
-            self._done(server)
         if not ids or len(ids) != len(logprobs):
             raise EngineError(f"policy server {self.urls[server]} returned {len(ids)} tokens and {len(logprobs)} "
                               "log-probs for one turn: refusing an empty or misaligned generation")
@@ -332,7 +373,7 @@ class VLLMEngine:
         if self.api != "auto":
             return
         try:
-            paths = self.clients[0].get("/openapi.json").json().get("paths", {})
+            paths = self.clients[(self.live or [0])[0]].get("/openapi.json").json().get("paths", {})
         except (httpx.HTTPError, ValueError, AttributeError):
             paths = {}
         self.api = "generate" if "/inference/v1/generate" in paths else "completions"
@@ -604,11 +645,17 @@ class WeightSync:
         return sync
 
     def verify(self, model: torch.nn.Module) -> float:
-        """Max abs difference between each server's and ``model``'s probe log-probs; an error above tolerance."""
+        """Max abs difference between each live server's and ``model``'s probe log-probs; an error above
+        tolerance."""
         local = torch.tensor(probe_logprobs(model, self.probe_ids))
         worst = 0.0
-        for server, url in enumerate(self.engine.urls):
-            served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids, server))
+        for server in self.engine.live:
+            url = self.engine.urls[server]
+            try:
+                served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids, server))
+            except ServerUnreachable as err:  # down since the load: dropped, the others are checked
+                self.engine.drop(server, err)
+                continue
             diff = float((served - local).abs().max())
             if not diff <= self.tolerance:
                 raise EngineError(f"the policy server {url} serves other weights than the trainer's: probe "
