@@ -349,6 +349,35 @@ def test_metric_names_do_not_collide_with_dvclives_step_column(env_server, tiny_
         Metrics(tmp_path / "other").log({"timing_s/step": 1.0}, 0)
 
 
+def test_a_run_ends_when_another_run_removed_dvclives_shared_signal_file(tmp_path, monkeypatch) -> None:
+    # found by a CI run: two trainers in one working copy (two xdist workers) both end their dvclive run; dvclive
+    # checks that .dvc/tmp/exps/run/DVCLIVE_STEP_COMPLETED exists, then removes it, and the other run removed it in
+    # between. Here the other run's removal comes exactly in that gap.
+    import dvclive.vscode
+
+    from training.metrics import Metrics
+
+    (tmp_path / ".dvc").mkdir()
+    monkeypatch.chdir(tmp_path)  # the working copy whose .dvc/tmp the signal file goes to
+    first, second = Metrics(tmp_path / "a"), Metrics(tmp_path / "b")
+    first.log({"reward/mean": 1.0}, 0)
+    second.log({"reward/mean": 2.0}, 0)
+    signal = tmp_path / ".dvc" / "tmp" / "exps" / "run" / "DVCLIVE_STEP_COMPLETED"
+    assert signal.exists()
+    first.close()
+    assert not signal.exists()
+    exists = os.path.exists
+    with monkeypatch.context() as patch:  # checked before the other run removed it
+        patch.setattr(dvclive.vscode.os.path, "exists", lambda path: path == str(signal) or exists(path))
+        second.close()
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["reward"]["mean"] == 2.0
+    broken = Metrics(tmp_path / "c")  # any other missing file is still an error
+    broken.log({"reward/mean": 3.0}, 0)
+    monkeypatch.setattr(broken.live, "save_dvc_exp", lambda: open(tmp_path / "gone" / "x"))  # noqa: SIM115
+    with pytest.raises(FileNotFoundError, match="gone"):
+        broken.close()
+
+
 def test_adaptive_curriculum_advances_early_and_hands_its_steps_on(env_server, tiny_model_dir, tmp_path) -> None:
     """curriculum mode adaptive: a phase whose trajectories mostly hit the turn cap ends after min_steps; the
     steps it leaves go to the next phase (the curriculum's total stays as planned); manifests say so."""
