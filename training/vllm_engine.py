@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -283,7 +283,7 @@ class VLLMEngine:
 
     def _least_busy(self) -> int:
         with self._lock:
-            live = [i for i in range(len(self.urls)) if i not in self.dead]
+            live = self.live
             if not live:
                 raise EngineError(f"every policy server is down ({', '.join(self.urls)})")
             server = min(live, key=self._in_flight.__getitem__)
@@ -294,15 +294,20 @@ class VLLMEngine:
         with self._lock:
             self._in_flight[server] -= 1
 
-    def _post_all(self, path: str, body: dict[str, Any]) -> list[Any]:
-        """POST to every live server (in order); their answers. One that no longer answers is dropped."""
+    def each_live(self, call: Callable[[int], Any]) -> list[tuple[int, Any]]:
+        """``call(server)`` for every live server (in order): (server, answer) pairs; one that no longer answers is
+        dropped (:meth:`drop`) and left out."""
         answers = []
         for server in self.live:
             try:
-                answers.append(self._post(path, body, server))
+                answers.append((server, call(server)))
             except ServerUnreachable as err:
                 self.drop(server, err)
         return answers
+
+    def _post_all(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """POST to every live server (in order); their answers."""
+        return [answer for _, answer in self.each_live(lambda server: self._post(path, body, server))]
 
     def _post(self, path: str, body: dict[str, Any], server: int = 0) -> Any:
         url = self.urls[server]
@@ -649,17 +654,12 @@ class WeightSync:
         tolerance."""
         local = torch.tensor(probe_logprobs(model, self.probe_ids))
         worst = 0.0
-        for server in self.engine.live:
-            url = self.engine.urls[server]
-            try:
-                served = torch.tensor(self.engine.prompt_logprobs(self.probe_ids, server))
-            except ServerUnreachable as err:  # down since the load: dropped, the others are checked
-                self.engine.drop(server, err)
-                continue
-            diff = float((served - local).abs().max())
+        # a server down since the load is dropped; the others are checked
+        for server, served in self.engine.each_live(lambda server: self.engine.prompt_logprobs(self.probe_ids, server)):
+            diff = float((torch.tensor(served) - local).abs().max())
             if not diff <= self.tolerance:
-                raise EngineError(f"the policy server {url} serves other weights than the trainer's: probe "
-                                  f"log-probs differ by {diff:.3g} (tolerance {self.tolerance:g})")
+                raise EngineError(f"the policy server {self.engine.urls[server]} serves other weights than the "
+                                  f"trainer's: probe log-probs differ by {diff:.3g} (tolerance {self.tolerance:g})")
             worst = max(worst, diff)
         return worst
 
