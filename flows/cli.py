@@ -278,6 +278,7 @@ def train_phase_cmd(
         train_config,
     )
     from training.phase import run_phase
+    from training.strategy import end_distributed
 
     envs = _check_envs(env)
     nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
@@ -302,6 +303,7 @@ def train_phase_cmd(
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     final = run_phase(spec, url, progress=True, policy_url=policy_url)
+    end_distributed()  # under torchrun: every rank leaves its process group before the interpreter ends
     console.print(f"phase {phase} (h={h}) done: {final}")
 
 

@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from envs.launcher import ROOT
 from training.devices import DeviceError, distributed_backend, resolve_device
+from training.strategy import end_distributed
 
 EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
 
@@ -28,12 +30,43 @@ def test_deepspeed_two_processes_match_the_torch_strategy(tiny_model_dir, zero: 
     pytest.importorskip("deepspeed")
     check = ["-m", "training.strategy_check", "--model", str(tiny_model_dir), "--steps", "3"]
     reference = _check([sys.executable, *check, "--strategy", "torch"])
-    distributed = _check([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(29500 + zero), *check, "--strategy", "deepspeed", "--zero", str(zero)])
+    distributed = _check([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          *check, "--strategy", "deepspeed", "--zero", str(zero)])
     assert distributed["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
     assert reference["losses"][0] != reference["losses"][-1]  # the weights really moved between steps
     # the weights a checkpoint gets: gathered from both ranks' partitions under ZeRO-3, written whole by rank 0
     assert distributed["weights_norm"] == pytest.approx(reference["weights_norm"], rel=1e-6)
+
+
+def _rank_that_leaves(rank: int, store: str, results: str) -> None:
+    """One of two gloo ranks: rank 1 sends its async all-reduce at once, rank 0 a moment later (so rank 1's is
+    still in flight when it ends), then each ends with end_distributed and records what it saw."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    if rank == 0:
+        time.sleep(0.5)
+    value = torch.tensor([float(rank + 1)])
+    work = dist.all_reduce(value, async_op=True)
+    end_distributed()  # waits for the other rank, then leaves the group
+    Path(results, f"rank{rank}.json").write_text(json.dumps(
+        {"initialized": dist.is_initialized(), "done": work.is_completed(), "value": float(value)}))
+
+
+def test_each_rank_leaves_its_process_group_before_it_ends(tmp_path) -> None:
+    """A rank that exited with a live gloo group aborted once in CI (SIGABRT, "terminate called without an active
+    exception") after its work was done, and torchrun failed the run: every per-rank program ends with
+    end_distributed, which waits for the other ranks' pending work and destroys the group."""
+    import torch.multiprocessing as mp
+
+    end_distributed()  # no group in this process: nothing to do
+    mp.spawn(_rank_that_leaves, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"initialized": False, "done": True, "value": 3.0}, rank
 
 
 def test_device_selection_is_explicit_about_what_is_missing() -> None:

@@ -170,6 +170,21 @@ class DeepSpeedStrategy:
         return True
 
 
+def end_distributed() -> None:
+    """Leave the process group, if this process is in one: wait for every rank, then destroy it.
+
+    Call it at the end of every program a launcher (torchrun, deepspeed) starts once per rank. A rank that exits
+    with its gloo group alive can abort at interpreter shutdown (SIGABRT, "terminate called without an active
+    exception": gloo's worker threads still hold work whose tensors need the interpreter being torn down), and the
+    launcher then fails the whole run after its work was done. A no-op in one process without a group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def make_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
                  zero_stage: int = 2, micro_batch_size: int = 1) -> Strategy:
     """The strategy called ``name`` (torch or deepspeed)."""
