@@ -278,7 +278,7 @@ def train_phase_cmd(
         train_config,
     )
     from training.phase import run_phase
-    from training.strategy import end_distributed
+    from training.strategy import exit_rank
 
     envs = _check_envs(env)
     nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
@@ -303,8 +303,8 @@ def train_phase_cmd(
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     final = run_phase(spec, url, progress=True, policy_url=policy_url)
-    end_distributed()  # under torchrun: every rank leaves its process group before the interpreter ends
     console.print(f"phase {phase} (h={h}) done: {final}")
+    exit_rank()  # under torchrun: every rank leaves its process group and ends before the interpreter's shutdown
 
 
 @app.command("warm-stage")

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from envs.launcher import ROOT
 from training.devices import DeviceError, distributed_backend, resolve_device
-from training.strategy import end_distributed
+from training.strategy import exit_rank
 
 EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
 
@@ -38,35 +37,50 @@ def test_deepspeed_two_processes_match_the_torch_strategy(tiny_model_dir, zero: 
     assert distributed["weights_norm"] == pytest.approx(reference["weights_norm"], rel=1e-6)
 
 
-def _rank_that_leaves(rank: int, store: str, results: str) -> None:
-    """One of two gloo ranks: rank 1 sends its async all-reduce at once, rank 0 a moment later (so rank 1's is
-    still in flight when it ends), then each ends with end_distributed and records what it saw."""
-    import time
+RANK_PROGRAM = """
+import atexit, sys, time
+from pathlib import Path
 
-    import torch
+import torch
+import torch.distributed as dist
+
+from training.strategy import exit_rank
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+atexit.register(lambda: (out / f"shutdown-{rank}").write_text("Python's shutdown ran"))
+if rank == 0:
+    time.sleep(0.5)  # rank 1's collective is still in flight when it gets to exit_rank
+value = torch.tensor([rank + 1.0])
+value.owner = rank  # Python state on the tensor, as ZeRO-3's partitions carry
+work = dist.all_reduce(value, async_op=True)
+del value, work  # gloo's worker thread holds the last reference
+print(f"rank {rank} printed")  # to a pipe: buffered, not yet written
+exit_rank()
+(out / f"returned-{rank}").write_text("exit_rank returned")
+"""
+
+
+def test_a_rank_leaves_its_group_and_ends_before_pythons_shutdown(tmp_path) -> None:
+    """A ZeRO-3 rank aborted once in CI after its work was done (SIGABRT, "terminate called without an active
+    exception": a gloo worker thread released a collective's tensors while the interpreter shut down), and torchrun
+    failed the run. Every per-rank program ends with exit_rank: every rank waits for the others, leaves the group,
+    and ends with its output written, without Python's shutdown, where no gloo thread can then touch Python."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    if rank == 0:
-        time.sleep(0.5)
-    value = torch.tensor([float(rank + 1)])
-    work = dist.all_reduce(value, async_op=True)
-    end_distributed()  # waits for the other rank, then leaves the group
-    Path(results, f"rank{rank}.json").write_text(json.dumps(
-        {"initialized": dist.is_initialized(), "done": work.is_completed(), "value": float(value)}))
-
-
-def test_each_rank_leaves_its_process_group_before_it_ends(tmp_path) -> None:
-    """A rank that exited with a live gloo group aborted once in CI (SIGABRT, "terminate called without an active
-    exception") after its work was done, and torchrun failed the run: every per-rank program ends with
-    end_distributed, which waits for the other ranks' pending work and destroys the group."""
-    import torch.multiprocessing as mp
-
-    end_distributed()  # no group in this process: nothing to do
-    mp.spawn(_rank_that_leaves, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {"initialized": False, "done": True, "value": 3.0}, rank
+    assert not dist.is_initialized()  # (else the call below would end this test process)
+    exit_rank()  # in no group: returns
+    program = tmp_path / "rank_program.py"
+    program.write_text(RANK_PROGRAM)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(program), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == ["rank 0 printed",
+                                                                                          "rank 1 printed"]
+    assert not list(tmp_path.glob("shutdown-*")) and not list(tmp_path.glob("returned-*"))
 
 
 def test_device_selection_is_explicit_about_what_is_missing() -> None:

@@ -12,6 +12,9 @@ mini-batch split across micro-batches or ranks gives the same update as one big 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -170,19 +173,30 @@ class DeepSpeedStrategy:
         return True
 
 
-def end_distributed() -> None:
-    """Leave the process group, if this process is in one: wait for every rank, then destroy it.
+def exit_rank(code: int = 0) -> None:
+    """End this process, when a launcher (torchrun, deepspeed) started it as one rank of a process group: wait for
+    every rank, leave the group, flush what was printed and logged, and exit with ``code`` at once, without
+    Python's shutdown. Returns (does nothing) in a process that is in no group.
 
-    Call it at the end of every program a launcher (torchrun, deepspeed) starts once per rank. A rank that exits
-    with its gloo group alive can abort at interpreter shutdown (SIGABRT, "terminate called without an active
-    exception": gloo's worker threads still hold work whose tensors need the interpreter being torn down), and the
-    launcher then fails the whole run after its work was done. A no-op in one process without a group.
+    Why not a normal exit: gloo's worker threads release the collectives they ran, and with them tensors that carry
+    Python objects (DeepSpeed's ZeRO-3 partitions), a moment after the work completes; one that does so while the
+    interpreter shuts down aborts the process (SIGABRT, "terminate called without an active exception"), and the
+    launcher fails the whole run after its work was done. Destroying the group does not stop those threads while
+    DeepSpeed still holds its groups, so the process leaves before the interpreter is torn down.
     """
+    import logging
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def make_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from training.losses import actor_loss, token_logprobs
 from training.model import load_policy
-from training.strategy import end_distributed, make_strategy
+from training.strategy import exit_rank, make_strategy
 
 
 def synthetic_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -83,9 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     losses, norm = run(args.model, args.strategy, args.zero, args.steps, args.lr)
-    end_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"strategy": args.strategy, "zero": args.zero, "losses": losses, "weights_norm": norm}))
+    exit_rank()  # under torchrun: leave the group and end before the interpreter's shutdown
 
 
 if __name__ == "__main__":
