@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from training.advantages import gae, grpo, masked_mean, reinforce_plus_plus, rloo
@@ -77,3 +78,52 @@ def test_masked_mean_ignores_masked_positions_and_empty_masks() -> None:
     x = torch.tensor([[1.0, 100.0, 3.0]])
     assert masked_mean(x, torch.tensor([[1.0, 0, 1]])) == 2.0
     assert masked_mean(x, torch.zeros(1, 3)) == 0.0
+
+
+def test_grpo_without_std_normalisation_only_centres_each_group() -> None:
+    rewards = torch.tensor([[0, 1.0], [0, 0.0], [0, 0.0], [0, 0.0]])
+    mask = torch.ones(4, 2)
+    group = torch.tensor([0, 0, 0, 0])
+    centred, _ = grpo(rewards, mask, group, norm_std=False)
+    assert torch.allclose(centred[:, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    scaled, _ = grpo(rewards, mask, group)
+    assert torch.allclose(scaled[:, 0], centred[:, 0] / 0.5, atol=1e-4)  # the group's std is 0.5
+
+
+def _long_failures() -> tuple[torch.Tensor, torch.Tensor]:
+    """One group, as multi-turn rollouts make it: a 1-turn success (2 tokens) and a failure cut by the turn
+    cap (6 tokens); GRPO's advantages are +0.71 and -0.71 on every token of each."""
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float)
+    rewards = torch.zeros(2, 6)
+    rewards[0, 1] = 1.0
+    advantages, _ = grpo(rewards, mask, torch.tensor([0, 0]))
+    return advantages, mask
+
+
+def test_token_mean_lets_long_failing_trajectories_outweigh_the_successes() -> None:
+    from training.losses import loss_weights
+
+    advantages, mask = _long_failures()
+    net = float((advantages * loss_weights(mask, "token-mean")).sum())
+    assert net == pytest.approx((2 * 0.7071 - 6 * 0.7071) / 8, abs=1e-3)  # pushes down what the policy does
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_per_trajectory_aggregation_keeps_each_group_balanced(mode: str) -> None:
+    from training.losses import loss_weights
+
+    advantages, mask = _long_failures()
+    weights = loss_weights(mask, mode, norm=6.0)
+    per_trajectory = (advantages * weights).sum(-1)
+    if mode == "seq-mean-token-mean":  # each trajectory weighs the same: the group's advantages sum to 0
+        assert float(per_trajectory.sum()) == pytest.approx(0.0, abs=1e-6)
+        assert float(weights.sum()) == pytest.approx(1.0)
+    else:  # every token the same constant weight, whatever its trajectory's length
+        assert torch.allclose(weights[mask.bool()], torch.full((8,), 1 / 12))
+
+
+def test_loss_weights_refuse_an_unknown_mode() -> None:
+    from training.losses import loss_weights
+
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        loss_weights(torch.ones(1, 2), "sequence")  # type: ignore[arg-type]

@@ -4,8 +4,9 @@ All take ``rewards`` and ``mask`` of shape [B, T]: ``mask`` is 1 exactly on agen
 ``rewards`` holds the terminal reward on each trajectory's last agent token (see
 ``Trajectory.token_rewards``). They return advantages of shape [B, T], zero off the mask.
 
-* GRPO: the trajectory score z-scored within the n samples of its item (``std + eps``); a group whose
-  scores are all equal carries no signal and gets zero advantage (counted by the caller).
+* GRPO: the trajectory score z-scored within the n samples of its item (``std + eps``), or only centred
+  (``norm_std`` False, Dr. GRPO); a group whose scores are all equal carries no signal and gets zero advantage
+  (counted by the caller).
 * RLOO: score minus the mean score of the other samples of the same item.
 * REINFORCE++: discounted return over agent tokens only, whitened over all agent tokens of the batch.
 * GAE (PPO with a value head): values and rewards only on agent tokens; non-agent positions are skipped,
@@ -53,16 +54,17 @@ def flat_rows(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def grpo(rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor, eps: float = 1e-6
+def grpo(rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor, eps: float = 1e-6, norm_std: bool = True
          ) -> tuple[torch.Tensor, int]:
-    """GRPO advantages and the number of zero-variance groups (which get zero advantage)."""
+    """GRPO advantages and the number of zero-variance groups (which get zero advantage); with ``norm_std`` False
+    the score minus its group's mean only (Dr. GRPO: a group of 4 with one success out of 4 is not scaled up)."""
     scores = _scores(rewards)
     adv = torch.zeros_like(scores)
     flat_groups = flat_rows(rewards, group)
     for g in torch.unique(group[~flat_groups]):
         members = group == g
         s = scores[members]
-        adv[members] = (s - s.mean()) / (s.std() + eps)
+        adv[members] = (s - s.mean()) / (s.std() + eps) if norm_std else s - s.mean()
     return adv[:, None] * mask, len(torch.unique(group[flat_groups]))
 
 

@@ -17,6 +17,7 @@ from training.curriculum import AdaptiveRule, CurriculumConfig
 from training.guard import GuardConfig
 from training.layout import Run, base_model
 from training.lora import LoraSettings
+from training.losses import LossAggregation
 from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 
@@ -83,6 +84,10 @@ class TrainConfig(BaseModel):
     micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = Field(1, ge=1, description="passes over the step's mini-batches")
     clip: float = 0.2
+    loss_agg: LossAggregation = Field("token-mean", description="how a mini-batch's tokens are weighed in the "
+                                      "loss: token-mean (each token the same), seq-mean-token-mean (each trajectory "
+                                      "the same) or seq-mean-token-sum-norm (each trajectory's token sum over "
+                                      "max_new_tokens, Dr. GRPO); see training.losses")
     kl_coef: float = 1e-3
     kl_in_reward: bool = Field(False, description="subtract kl_coef * KL from rewards instead of a loss term")
     entropy_coef: float = 1e-3
@@ -94,6 +99,8 @@ class TrainConfig(BaseModel):
                                    "item scored the same, so zero advantage) out of stage 2 and the update, as "
                                    "DAPO's dynamic sampling does: the step's compute and its token-mean loss go to "
                                    "the groups that carry a signal; a step with none makes no update")
+    grpo_norm_std: bool = Field(True, description="GRPO: divide each group's centred scores by their std (False: "
+                                "centred only, as Dr. GRPO)")
     old_logprobs: Literal["sampler", "recompute"] = "recompute"
     gamma: float = 1.0
     lam: float = 1.0

@@ -77,11 +77,28 @@ def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: floa
     return torch.cat(out)
 
 
+def experience_stats(exp: Experience, weights: torch.Tensor) -> dict[str, float]:
+    """What a step's update starts from: how far the trainer's log-probs of the sampled tokens are from the
+    sampler's (``actor/sampler_ratio``, the mean of exp(trainer - sampler), must be 1 within numerical noise:
+    anything else is a masking, padding or template bug, or a sampler that is not the policy trained), and the
+    advantage each token carries on average, by token and under the loss's aggregation ``weights`` (a negative
+    one pushes down what the policy does in general: GRPO's groups sum to zero per trajectory, not per token)."""
+    mask = exp.mask
+    out = {"actor/advantage_token_mean": float(adv.masked_mean(exp.advantages, mask)),
+           "actor/advantage_weighted": float((exp.advantages * weights).sum())}
+    if exp.old_logprobs is not None and bool(exp.sampler_logprobs.ne(0).any()):  # a scripted engine gives none
+        diff = (exp.old_logprobs - exp.sampler_logprobs) * mask
+        out |= {"actor/sampler_ratio": float(adv.masked_mean(diff.exp(), mask)),
+                "actor/sampler_logprob_absdiff": float(adv.masked_mean(diff.abs(), mask)),
+                "actor/sampler_logprob_absdiff_max": float(diff.abs().max())}
+    return out
+
+
 def estimate_advantages(exp: Experience, algorithm: str, gamma: float = 1.0, lam: float = 1.0,
-                        values: torch.Tensor | None = None) -> None:
+                        values: torch.Tensor | None = None, grpo_norm_std: bool = True) -> None:
     """Fill ``exp.advantages`` (and ``returns`` for GAE) with the chosen estimator."""
     if algorithm == "grpo":
-        exp.advantages, exp.flat_groups = adv.grpo(exp.rewards, exp.mask, exp.group)
+        exp.advantages, exp.flat_groups = adv.grpo(exp.rewards, exp.mask, exp.group, norm_std=grpo_norm_std)
     elif algorithm == "rloo":
         exp.advantages = adv.rloo(exp.rewards, exp.mask, exp.group)
     elif algorithm == "reinforce_pp":

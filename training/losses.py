@@ -1,14 +1,23 @@
-"""Actor and critic losses: masked means over agent tokens only.
+"""Actor and critic losses over agent tokens only.
 
 Clipped-ratio policy loss (0.2), KL to the frozen reference with the low-variance k3 estimator (clamped
-to [-10, 10], as a loss term), entropy bonus, and a clipped value loss for PPO's critic.
+to [-10, 10], as a loss term), entropy bonus, and a clipped value loss for PPO's critic. The actor's terms are
+weighted sums over tokens whose weights (``loss_weights``) say how a mini-batch's tokens are aggregated:
+
+* ``token-mean``: every agent token of the mini-batch weighs the same (DAPO, verl's default). In multi-turn
+  RL the failing trajectories run to the turn cap and hold most of the tokens, so the update is dominated by
+  negative advantages: it lowers the likelihood of what the policy does in general.
+* ``seq-mean-token-mean``: each trajectory weighs the same, its tokens averaged (the original GRPO); a group's
+  advantages then sum to zero whatever the lengths.
+* ``seq-mean-token-sum-norm``: each trajectory's token sum over a constant (Dr. GRPO), so a token's weight
+  depends neither on its trajectory's length nor on the batch's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,6 +34,24 @@ class ActorLoss:
     kl: float
     entropy: float
     approx_kl: float
+
+
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def loss_weights(mask: torch.Tensor, mode: LossAggregation = "token-mean", norm: float = 1.0) -> torch.Tensor:
+    """Per-token weights [B, T] of a mini-batch's loss terms (zero off the mask), summing to 1 for the two means;
+    ``norm`` is Dr. GRPO's constant (tokens per trajectory) for ``seq-mean-token-sum-norm``."""
+    mask = mask.float()
+    if mode == "token-mean":
+        return mask / mask.sum().clamp(min=1)
+    rows = max(mask.shape[0], 1)
+    if mode == "seq-mean-token-mean":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1) / rows
+    if mode == "seq-mean-token-sum-norm":
+        return mask / (norm * rows)
+    raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {', '.join(LOSS_AGGREGATIONS)}")
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -57,20 +84,25 @@ def actor_loss(
     kl_coef: float = 1e-3,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 1e-3,
+    weights: torch.Tensor | None = None,
 ) -> ActorLoss:
-    """PPO-clip loss + k3 KL to the reference + entropy bonus, each a masked mean over agent tokens."""
+    """PPO-clip loss + k3 KL to the reference + entropy bonus, each a sum over agent tokens with ``weights``
+    (:func:`loss_weights`; default the token mean of this batch). The reported parts are token means."""
+    weights = loss_weights(mask) if weights is None else weights
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip, 1 + clip)
-    pg_loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    loss = pg_loss
+    per_token = torch.maximum(unclipped, clipped)
+    pg_loss = masked_mean(per_token, mask)
+    loss = (per_token * weights).sum()
     kl = torch.zeros(())
     if ref_logprobs is not None and kl_coef:
-        kl = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
-        loss = loss + kl_coef * kl
+        per_token_kl = k3_kl(logprobs, ref_logprobs)
+        kl = masked_mean(per_token_kl, mask)
+        loss = loss + kl_coef * (per_token_kl * weights).sum()
     ent = masked_mean(entropy, mask) if entropy is not None else torch.zeros(())
     if entropy is not None and entropy_coef:
-        loss = loss - entropy_coef * ent
+        loss = loss - entropy_coef * (entropy * weights).sum()
     return ActorLoss(
         loss=loss,
         pg_loss=float(pg_loss.detach()),

@@ -49,10 +49,10 @@ from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
 from training.devices import autocast, distributed_backend, resolve_device
 from training.engine import HFEngine, PolicyEngine
-from training.experience import Experience, collate, estimate_advantages, sequence_logprobs
+from training.experience import Experience, collate, estimate_advantages, experience_stats, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.lora import load_adapter, save_lora, with_lora
-from training.losses import actor_loss, policy_forward, value_loss
+from training.losses import actor_loss, loss_weights, policy_forward, value_loss
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, parse_urls, shares
 from training.model import load_policy
@@ -374,6 +374,7 @@ class PhaseTrainer:
                 return stats | {"timing_s/gen": t1 - t0, "actor/skipped": 1.0, "actor/flat_groups": flat_groups}
             exp = exp.select(torch.nonzero(~flat).squeeze(1))
         exp = self.prepare(exp)
+        stats |= experience_stats(exp, loss_weights(exp.mask, cfg.loss_agg, cfg.max_new_tokens))
         if flat_groups is not None:
             exp.flat_groups = flat_groups
         t2 = time.perf_counter()
@@ -484,7 +485,7 @@ class PhaseTrainer:
         values = None
         if self.critic is not None:
             values = sequence_values(self.critic, exp.input_ids, exp.attention_mask, cfg.micro_batch_size)
-        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam, values=values)
+        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam, values=values, grpo_norm_std=cfg.grpo_norm_std)
         return exp
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
@@ -507,10 +508,12 @@ class PhaseTrainer:
     def _mini_batch(self, mb: Experience) -> dict[str, float]:
         cfg = self.config
         total_tokens = mb.mask.sum().clamp(min=1)
+        weights = loss_weights(mb.mask, cfg.loss_agg, cfg.max_new_tokens)  # over the whole mini-batch
         parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/kl": 0.0, "actor/entropy": 0.0,
                  "actor/approx_kl": 0.0}
         for start in range(0, len(mb), cfg.micro_batch_size):
-            micro = mb.select(torch.arange(start, min(start + cfg.micro_batch_size, len(mb))))
+            rows = torch.arange(start, min(start + cfg.micro_batch_size, len(mb)))
+            micro = mb.select(rows)
             ids = micro.input_ids.to(self.device)
             mask = micro.mask.to(self.device)
             with autocast(self.device, cfg.precision):
@@ -521,9 +524,10 @@ class PhaseTrainer:
                 micro.advantages.to(self.device), mask, clip=cfg.clip,
                 ref_logprobs=None if cfg.kl_in_reward or micro.ref_logprobs is None
                 else micro.ref_logprobs.to(self.device),
-                kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef)
-            share = float(mask.sum() / total_tokens)
-            self.strategy.backward(loss.loss * share, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
+                kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef,
+                weights=weights[rows, :mask.shape[1]].to(self.device))
+            share = float(mask.sum() / total_tokens)  # the reported parts are token means of the mini-batch
+            self.strategy.backward(loss.loss, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
             for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
                                ("actor/kl", loss.kl), ("actor/entropy", loss.entropy),
                                ("actor/approx_kl", loss.approx_kl)):

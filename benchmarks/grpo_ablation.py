@@ -1,0 +1,210 @@
+"""Issue 45: why multi-turn GRPO falls below its SFT warm start, measured arm by arm; and the positive control.
+
+    python benchmarks/grpo_ablation.py prepare                  # the curriculum study's items and warm start
+    python benchmarks/grpo_ablation.py run --h 4 --steps 24 --arms base,lr-5e-5 --seeds 0   # missing ones only
+    python benchmarks/grpo_ablation.py report                   # docs/learning.md's ablation table, from the JSONs
+
+The task, the items and the warm start are the curriculum study's (``benchmarks/curriculum_study.py``: BabyAI
+GoTo items the expert solves within 4 turns; SFT on 1,200 expert episodes, 2 epochs at lr 1e-3). Every arm
+trains at one fixed turn cap ``--h`` from that warm start, on the same GRPO items in the same order (the data
+stream's seed), for the same steps (8 items x 4 samples each), and differs from ``base`` (the study's trainer
+settings) in the named settings only (``ARMS``). Each is then evaluated at the same cap on the same held-out
+items, greedy and sampled at temperature 1.0 (one sample per item, a fixed seed), and compared with the warm
+start on the same items (paired bootstrap over items; over seeds and items when an arm has several seeds).
+Its training curve (reward, KL to the reference, entropy, the trainer/sampler log-prob ratio at the start of
+each update, the advantage each token carries) comes from the phase's dvclive metrics.
+
+Each (arm, seed, h, steps) is one JSON in docs/learning/ (committed as it comes), so ``run`` resumes and
+reruns nothing; a killed training phase resumes from its last checkpoint (runs/grpo-ablation/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
+
+from benchmarks.curriculum_study import PARAMS, _dvclive_rows, stage_items, stage_warm
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "learning"
+WORKSPACE = ROOT / "runs" / "grpo-ablation"
+
+#: the study's trainer settings (lr 2e-4, token-mean loss, std-normalised groups, KL 1e-3, entropy bonus 1e-3)
+BASE: dict[str, Any] = {k: v for k, v in PARAMS["train"].items() if k != "guard"} | {"guard": {"enabled": False}}
+
+#: each arm: what it changes from BASE
+ARMS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "lr-5e-5": {"lr": 5e-5},
+    "lr-1e-5": {"lr": 1e-5},
+    "seq-mean": {"loss_agg": "seq-mean-token-mean"},
+    "dr-grpo": {"loss_agg": "seq-mean-token-sum-norm", "grpo_norm_std": False},
+    "no-std": {"grpo_norm_std": False},
+    "no-kl-no-entropy": {"kl_coef": 0.0, "entropy_coef": 0.0},
+    "kl-0.05": {"kl_coef": 0.05},
+    "seq-mean-lr-5e-5": {"loss_agg": "seq-mean-token-mean", "lr": 5e-5},
+}
+
+
+def prepare() -> Path:
+    """The study's items.json and warm start in the workspace (built once)."""
+    WORKSPACE.mkdir(parents=True, exist_ok=True)
+    os.chdir(WORKSPACE)
+    if not Path("items.json").exists():
+        stage_items(PARAMS)
+    if not (Path("warm") / "config.json").exists():
+        stage_warm(PARAMS)
+    return WORKSPACE
+
+
+def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: float) -> list[float]:
+    from training.evaluate import evaluate
+
+    result = evaluate(model, "babyai", url, items, h=h, temperature=temperature, seed=1234,
+                      max_new_tokens=BASE["max_new_tokens"], batch_items=50, context_budget=BASE.get(
+                          "context_budget", 2048), prefix_cache_gb=1.0)
+    return [float(result.success[i][0]) for i in items]
+
+
+def warm_eval(url: str, items: list[str], h: int) -> dict[str, list[float]]:
+    """The warm start's per-item success at ``h`` (greedy and sampled), kept in docs/learning/."""
+    path = DOCS / f"warm-h{h}-n{len(items)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    out = {"greedy": _evaluate(WORKSPACE / "warm", url, items, h, 0.0),
+           "sampled": _evaluate(WORKSPACE / "warm", url, items, h, 1.0)}
+    DOCS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out) + "\n")
+    return out
+
+
+def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str) -> Path:
+    """Train and evaluate one arm at one seed (nothing when its JSON exists)."""
+    from training.config import TrainConfig
+    from training.trainer import train_phase
+
+    out = DOCS / f"{arm}-h{h}-t{steps}-s{seed}.json"
+    if out.exists():
+        return out
+    data = json.loads((WORKSPACE / "items.json").read_text())
+    held = data["held_out"][:eval_items]
+    config = TrainConfig(items=data["grpo"], seed=seed, log_rollouts=False, skip_flat_steps=True,
+                         drop_flat_groups=True, **(BASE | ARMS[arm]))
+    folder = WORKSPACE / "arms" / f"{arm}-h{h}-t{steps}-s{seed}"
+    started = time.perf_counter()
+    final = train_phase("babyai", 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
+    train_s = time.perf_counter() - started
+    keys = ("reward/mean", "success/rate", "actor/kl", "actor/entropy", "actor/sampler_ratio",
+            "actor/sampler_logprob_absdiff", "actor/advantage_token_mean", "actor/advantage_weighted",
+            "actor/grad_norm", "turns/mean", "actor/skipped")
+    rows = [{"step": int(r["step"]), **{k: r.get(k) for k in keys}} for r in _dvclive_rows(folder / "dvclive")]
+    result = {"arm": arm, "changes": ARMS[arm], "seed": seed, "h": h, "steps": steps, "items": held,
+              "train_seconds": round(train_s, 1), "curve": rows,
+              "greedy": _evaluate(final, url, held, h, 0.0), "sampled": _evaluate(final, url, held, h, 1.0)}
+    DOCS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result) + "\n")
+    return out
+
+
+def seed_item_ci(diffs: list[list[float]], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high) of a paired difference over seeds and items: each resample draws seeds, then items
+    (the same items for every drawn seed), so the interval holds the seed-to-seed spread as well as the items'."""
+    data = np.asarray(diffs, dtype=float)  # [seeds, items]
+    rng = np.random.default_rng(seed)
+    s, n = data.shape
+    means = [data[rng.integers(0, s, s)][:, rng.integers(0, n, n)].mean() for _ in range(resamples)]
+    low, high = np.quantile(means, [0.025, 0.975])
+    return float(data.mean()), float(low), float(high)
+
+
+def table(h: int, steps: int) -> list[dict[str, Any]]:
+    """One row per arm with runs at (h, steps): success and paired change to the warm start, greedy and sampled;
+    the curve's last KL, entropy, sampler ratio and advantage means."""
+    rows = []
+    for arm in ARMS:
+        runs = [json.loads(p.read_text()) for p in sorted(DOCS.glob(f"{arm}-h{h}-t{steps}-s*.json"))]
+        if not runs:
+            continue
+        warm = warm_eval_cached(h, len(runs[0]["items"]))
+        row: dict[str, Any] = {"arm": arm, "changes": ARMS[arm], "seeds": [r["seed"] for r in runs]}
+        for mode in ("greedy", "sampled"):
+            row[mode] = float(np.mean([np.mean(r[mode]) for r in runs]))
+            row[f"warm_{mode}"] = float(np.mean(warm[mode])) if warm else None
+            if warm:
+                row[f"{mode}_diff"] = seed_item_ci([np.subtract(r[mode], warm[mode]).tolist() for r in runs])
+        tail = [c for r in runs for c in r["curve"][-4:]]
+        for key in ("actor/kl", "actor/entropy", "actor/sampler_ratio", "actor/advantage_token_mean",
+                    "actor/advantage_weighted", "reward/mean"):
+            vals = [c[key] for c in tail if c.get(key) is not None]
+            row[key] = float(np.mean(vals)) if vals else None
+        first = [c.get("reward/mean") for r in runs for c in r["curve"][:4] if c.get("reward/mean") is not None]
+        row["reward_first4"] = float(np.mean(first)) if first else None
+        row["train_seconds"] = float(np.mean([r["train_seconds"] for r in runs]))
+        rows.append(row)
+    return rows
+
+
+def warm_eval_cached(h: int, n: int) -> dict[str, list[float]] | None:
+    path = DOCS / f"warm-h{h}-n{n}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fmt_diff(d: list[float] | None) -> str:
+    return "" if not d else f"{100 * d[0]:+.1f} ({100 * d[1]:+.1f} to {100 * d[2]:+.1f})"
+
+
+def report(h: int, steps: int) -> str:
+    lines = ["| arm | changes | seeds | greedy | vs warm (95% CI) | sampled T=1 | vs warm (95% CI) | reward first 4 "
+             "-> last 4 steps | KL | entropy | sampler ratio | adv/token | adv weighted | train s |",
+             "|" + "---|" * 14]
+    for r in table(h, steps):
+        def f(x: float | None, fmt: str = ".3f") -> str:
+            return "" if x is None else format(x, fmt)
+        lines.append(
+            f"| {r['arm']} | {json.dumps(r['changes']) if r['changes'] else 'the study'} | {len(r['seeds'])} | "
+            f"{r['greedy']:.1%} | {_fmt_diff(r.get('greedy_diff'))} | {r['sampled']:.1%} | "
+            f"{_fmt_diff(r.get('sampled_diff'))} | {f(r['reward_first4'], '.2f')} -> {f(r['reward/mean'], '.2f')} | "
+            f"{f(r['actor/kl'], '.4f')} | {f(r['actor/entropy'])} | {f(r['actor/sampler_ratio'], '.4f')} | "
+            f"{f(r['actor/advantage_token_mean'])} | {f(r['actor/advantage_weighted'])} | {r['train_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["prepare", "run", "report"])
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--h", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--eval-items", type=int, default=300)
+    args = parser.parse_args()
+    if args.command == "report":
+        print(report(args.h, args.steps))
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    prepare()
+    if args.command == "prepare":
+        return
+    from envs.launcher import running_server
+
+    held = json.loads((WORKSPACE / "items.json").read_text())["held_out"][:args.eval_items]
+    with running_server("babyai", idle_ttl_s=7200) as url:
+        warm_eval(url, held, args.h)
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for arm in args.arms.split(","):
+                print(run_arm(arm, seed, args.h, args.steps, args.eval_items, url), flush=True)
+
+
+if __name__ == "__main__":
+    main()
