@@ -776,11 +776,9 @@ def run(
         result = scalinginter(env=env, profile=profile, record=record, push=push)  # type: ignore[arg-type]
     except ConfigError as err:
         _fail(str(err))
-    evaluation = result["evaluation"]
-    success = " -> ".join(f"{name} {c['success']:.0%}" for name, c in evaluation["checkpoints"].items())
     warm = f"{len(result['warm_start'])} warm-start stages, " if result.get("warm_start") else ""
-    console.print(f"[bold]done[/bold]: {warm}{len(result['phases'])} phases; success on {evaluation['items']} test "
-                  f"items (k={evaluation['k']}): {success}", soft_wrap=True)
+    console.print(f"[bold]done[/bold]: {warm}{len(result['phases'])} phases", soft_wrap=True)
+    console.print(result["closing"], soft_wrap=True, markup=False)  # its [low-high] intervals are not markup
     console.print(f"report: {result['report']}", soft_wrap=True)
 
 

@@ -16,6 +16,7 @@ report) is the only stale one of its chain when its turn comes, and runs in the 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,11 +53,13 @@ from training.config import (
     server_config,
     train_config,
 )
+from training.evaluate import closing_line
 from training.layout import Run
 from training.warm import pipeline_stages
 
 
-def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path) -> str:
+def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path,
+              closing: str) -> str:
     lines = [f"# scalinginter: {env} ({profile})", "",
              "| phase | h | steps | ran | reward/mean | success/rate | checkpoint | parent | wall s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -72,7 +75,7 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
         low, high = c["success_ci95"]
         lines.append(f"| {name} | {c['success']:.1%} | {low:.1%}-{high:.1%} | {c['avg_at_k']:.3f} | "
                      f"{c['pass_at_k']:.1%} |")
-    lines += ["", f"Report: `{report}`"]
+    lines += ["", closing, "", f"Report: `{report}`"]
     return "\n".join(lines)
 
 
@@ -160,11 +163,13 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
     report = build_report(env)
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())
-    create_markdown_artifact(_markdown(env, profile, warm + rows, results, report), key=f"scalinginter-{env}",
-                             description=f"ScalingInter curriculum of {env}")
+    closing = closing_line(results, json.loads(run.eval_per_item.read_text()))
+    create_markdown_artifact(_markdown(env, profile, warm + rows, results, report, closing),
+                             key=f"scalinginter-{env}", description=f"ScalingInter curriculum of {env}")
+    print(closing)
     print(f"checkpoints: {run.dir}/phase-*/final\nmetrics:     {run.dir}/phase-*/dvclive (dvc plots show), "
           f"{run.eval_metrics}\nlineage:     scalinginter lineage {env}\nreport:      {report}")
-    return {"warm_start": warm, "phases": rows, "evaluation": results, "report": str(report)}
+    return {"warm_start": warm, "phases": rows, "evaluation": results, "report": str(report), "closing": closing}
 
 
 @contextlib.contextmanager

@@ -101,3 +101,40 @@ def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env
     if not torch.cuda.is_available():  # the device is really used: the model is loaded onto it
         with pytest.raises(DeviceError, match="CUDA is not available"):
             evaluate(bandit_warm_start, "bandit", url, items, h=1, k=1, device="cuda")
+
+
+def _run(per_checkpoint: dict[str, list[int]]) -> tuple[dict, dict]:
+    """An evaluation's metrics and per-item records with these per-item successes (reward = success)."""
+    from training.evaluate import _summary
+
+    checkpoints, per_item = {}, {}
+    for name, wins in per_checkpoint.items():
+        checkpoints[name] = _summary([[bool(w)] for w in wins], [[float(w)] for w in wins])
+        per_item[name] = {f"i{k}": {"success": [bool(w)], "reward": [float(w)]} for k, w in enumerate(wins)}
+    return {"items": len(next(iter(per_checkpoint.values()))), "k": 1, "checkpoints": checkpoints}, per_item
+
+
+def test_the_closing_line_says_when_training_moved_nothing_and_where_learning_is_shown() -> None:
+    from training.evaluate import LEARNING_DOC, closing_line
+
+    evaluation, per_item = _run({"base": [0] * 8, "phase-0": [0] * 8, "phase-1": [0] * 8})
+    line = closing_line(evaluation, per_item)
+    assert "base 0% [0%-0%]" in line and "phase-1 vs base: success +0.0 points" in line
+    assert "no measurable change" in line and LEARNING_DOC in line
+
+
+def test_the_closing_line_compares_the_last_phase_with_the_warm_start_paired() -> None:
+    from training.evaluate import closing_line, training_effect
+
+    wins = [1] * 30 + [0] * 30
+    better = [1] * 50 + [0] * 10  # the same items, 20 more solved
+    evaluation, per_item = _run({"base": [0] * 60, "warm-0-sft": wins, "phase-0": better})
+    effect = training_effect(evaluation["checkpoints"], per_item)
+    assert effect["start"] == "warm-0-sft" and effect["verdict"] == "improved"
+    assert effect["success"]["diff"] == pytest.approx(20 / 60) and effect["success"]["ci95"][0] > 0
+    line = closing_line(evaluation, per_item)
+    assert "warm-0-sft 50%" in line and "phase-0 vs warm-0-sft: success +33.3 points" in line
+    assert "improved" in line and "too small" not in line
+    evaluation, per_item = _run({"base": better, "phase-0": wins})
+    worse = training_effect(evaluation["checkpoints"], per_item)
+    assert worse["verdict"] == "worse" and worse["success"]["ci95"][1] < 0

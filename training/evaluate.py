@@ -238,3 +238,49 @@ def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tu
         out["checkpoints"][name] = ({"path": str(folder)} | summarise(merged, sub_tasks)
                                     | {"prefix_reused_tokens": merged.prefix_reused_tokens})
     return out
+
+
+#: where the project's measured learning results are (the closing line points there when smoke scale shows none)
+LEARNING_DOC = "docs/learning.md"
+
+
+def training_effect(checkpoints: dict[str, Any], per_item: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the phases did to the policy they started from, on the evaluation's items: the first checkpoint
+    (``base``, or the last warm-start stage when there is one) against the last, per-item success and reward
+    paired (bootstrap over items), and a verdict: ``improved`` / ``worse`` when the success or reward interval
+    lies above / below 0, else ``no measurable change``."""
+    names = list(checkpoints)
+    start = next((n for n in reversed(names) if n.startswith("warm")), names[0])
+    end = names[-1]
+    out: dict[str, Any] = {"start": start, "end": end}
+    for metric in ("success", "reward"):
+        items = [i for i in per_item.get(start, {}) if i in per_item.get(end, {})]
+        before = [float(np.mean(per_item[start][i][metric])) for i in items]
+        after = [float(np.mean(per_item[end][i][metric])) for i in items]
+        diff, low, high = paired_difference_ci(before, after) if items else (0.0, 0.0, 0.0)
+        out[metric] = {"diff": diff, "ci95": [low, high], "items": len(items)}
+    lows = [out[m]["ci95"][0] for m in ("success", "reward")]
+    highs = [out[m]["ci95"][1] for m in ("success", "reward")]
+    out["verdict"] = ("improved" if max(lows) > 0 and min(highs) >= 0 else "worse" if min(highs) < 0 and
+                      max(lows) <= 0 else "mixed" if max(lows) > 0 else "no measurable change")
+    return out
+
+
+def closing_line(evaluation: dict[str, Any], per_item: dict[str, dict[str, Any]]) -> str:
+    """The main job's last word: each checkpoint's success (95% CI) and mean reward, then what training did to the
+    policy it started from, with its paired interval; a run too small to move it says so and where the measured
+    learning curves are, instead of a row of equal percentages."""
+    parts = []
+    for name, c in evaluation["checkpoints"].items():
+        low, high = c.get("success_ci95", [c["success"], c["success"]])
+        parts.append(f"{name} {c['success']:.0%} [{low:.0%}-{high:.0%}] r={c['avg_at_k']:.3f}")
+    effect = training_effect(evaluation["checkpoints"], per_item)
+    s, r = effect["success"], effect["reward"]
+    change = (f"{effect['end']} vs {effect['start']}: success {100 * s['diff']:+.1f} points (95% CI "
+              f"{100 * s['ci95'][0]:+.1f} to {100 * s['ci95'][1]:+.1f}), reward {r['diff']:+.3f} "
+              f"({r['ci95'][0]:+.3f} to {r['ci95'][1]:+.3f}) on {s['items']} items: {effect['verdict']}")
+    if effect["verdict"] != "improved":
+        change += (f" (a smoke run is too small to show learning; what RL does at a measurable scale, with "
+                   f"intervals: {LEARNING_DOC})")
+    return (f"success on {evaluation['items']} test items (k={evaluation['k']}): " + " -> ".join(parts)
+            + f"\n{change}")
