@@ -3,6 +3,8 @@
     python benchmarks/grpo_ablation.py prepare                  # the curriculum study's items and warm start
     python benchmarks/grpo_ablation.py run --h 4 --steps 24 --arms base,lr-5e-5 --seeds 0   # missing ones only
     python benchmarks/grpo_ablation.py report                   # docs/learning.md's ablation table, from the JSONs
+    python benchmarks/grpo_ablation.py control --arms ARM --h 6 --steps 100 --seeds 0,1,2 --eval-items 1000
+    python benchmarks/grpo_ablation.py control-report --arms ARM --h 6 --steps 100   # the positive control
 
 The task, the items and the warm start are the curriculum study's (``benchmarks/curriculum_study.py``: BabyAI
 GoTo items the expert solves within 4 turns; SFT on 1,200 expert episodes, 2 epochs at lr 1e-3). Every arm
@@ -36,6 +38,7 @@ from benchmarks.curriculum_study import PARAMS, _dvclive_rows, stage_items, stag
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "learning"
+CONTROL = DOCS / "control"
 WORKSPACE = ROOT / "runs" / "grpo-ablation"
 
 #: the study's trainer settings (lr 2e-4, token-mean loss, std-normalised groups, KL 1e-3, entropy bonus 1e-3)
@@ -87,19 +90,43 @@ def warm_eval(url: str, items: list[str], h: int) -> dict[str, list[float]]:
     return out
 
 
-def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str) -> Path:
+def held_out(count: int) -> list[str]:
+    """The first ``count`` held-out items: the study's 500, then more of the same kind (GoTo items of the held-out
+    indices that the expert solves within 4 turns, in index order), found once and kept in the workspace."""
+    data = json.loads((WORKSPACE / "items.json").read_text())
+    items = list(data["held_out"])
+    if count <= len(items):
+        return items[:count]
+    extra = WORKSPACE / f"held_out_{count}.json"
+    if not extra.exists():
+        from benchmarks.learning_babyai import solvable
+        from envs.registry import load_backend
+
+        backend = load_backend("babyai")
+        held = [f"babyai_{i}" for i in [*range(900, 2000), *range(50_000, 70_000)] if backend.sub_task(i) == "GoTo"]
+        last = held.index(items[-1])
+        more: list[str] = []
+        for start in range(last + 1, len(held), 500):
+            more += list(solvable(held[start:start + 500], PARAMS["task"]["max_expert_turns"]))
+            if len(items) + len(more) >= count:
+                break
+        extra.write_text(json.dumps(items + more[:count - len(items)]))
+    return json.loads(extra.read_text())
+
+
+def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path = DOCS) -> Path:
     """Train and evaluate one arm at one seed (nothing when its JSON exists)."""
     from training.config import TrainConfig
     from training.trainer import train_phase
 
-    out = DOCS / f"{arm}-h{h}-t{steps}-s{seed}.json"
+    out = docs / f"{arm}-h{h}-t{steps}-s{seed}.json"
     if out.exists():
         return out
     data = json.loads((WORKSPACE / "items.json").read_text())
-    held = data["held_out"][:eval_items]
+    held = held_out(eval_items)
     config = TrainConfig(items=data["grpo"], seed=seed, log_rollouts=False, skip_flat_steps=True,
                          drop_flat_groups=True, **(BASE | ARMS[arm]))
-    folder = WORKSPACE / "arms" / f"{arm}-h{h}-t{steps}-s{seed}"
+    folder = WORKSPACE / ("arms" if docs == DOCS else docs.name) / f"{arm}-h{h}-t{steps}-s{seed}"
     started = time.perf_counter()
     final = train_phase("babyai", 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
     train_s = time.perf_counter() - started
@@ -110,7 +137,7 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str) 
     result = {"arm": arm, "changes": ARMS[arm], "seed": seed, "h": h, "steps": steps, "items": held,
               "train_seconds": round(train_s, 1), "curve": rows,
               "greedy": _evaluate(final, url, held, h, 0.0), "sampled": _evaluate(final, url, held, h, 1.0)}
-    DOCS.mkdir(parents=True, exist_ok=True)
+    docs.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result) + "\n")
     return out
 
@@ -178,9 +205,35 @@ def report(h: int, steps: int) -> str:
     return "\n".join(lines)
 
 
+def control_report(arm: str, h: int, steps: int) -> str:
+    """The positive control: each seed's held-out success against the warm start's on the same items (greedy and
+    sampled), then all seeds pooled with an interval over seeds and items."""
+    runs = [json.loads(p.read_text()) for p in sorted(CONTROL.glob(f"{arm}-h{h}-t{steps}-s*.json"))]
+    if not runs:
+        return f"no runs of {arm} at h={h}, {steps} steps in {CONTROL}"
+    warm = warm_eval_cached(h, len(runs[0]["items"]))
+    if warm is None:
+        return "the warm start's evaluation is missing"
+    lines = [f"| seed | greedy | vs warm {np.mean(warm['greedy']):.1%} (95% CI) | sampled T=1 | vs warm "
+             f"{np.mean(warm['sampled']):.1%} (95% CI) | train reward first 10 -> last 10 steps | train s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in [*runs, None]:
+        group = runs if r is None else [r]
+        cells = []
+        for mode in ("greedy", "sampled"):
+            diff = seed_item_ci([np.subtract(g[mode], warm[mode]).tolist() for g in group])
+            cells += [f"{np.mean([np.mean(g[mode]) for g in group]):.1%}", _fmt_diff(list(diff))]
+        curve = [[c["reward/mean"] for c in g["curve"] if c.get("reward/mean") is not None] for g in group]
+        first, last = np.mean([c[:10] for c in curve]), np.mean([c[-10:] for c in curve])
+        name = f"all {len(runs)} (seeds x items)" if r is None else str(r["seed"])
+        lines.append(f"| {name} | {' | '.join(cells)} | {first:.2f} -> {last:.2f} | "
+                     f"{np.mean([g['train_seconds'] for g in group]):.0f} |")
+    return f"{arm} at h={h}, {steps} steps, {len(runs[0]['items'])} held-out items\n\n" + "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["prepare", "run", "report"])
+    parser.add_argument("command", choices=["prepare", "run", "report", "control", "control-report"])
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--h", type=int, default=4)
@@ -190,6 +243,9 @@ def main() -> None:
     if args.command == "report":
         print(report(args.h, args.steps))
         return
+    if args.command == "control-report":
+        print(control_report(args.arms, args.h, args.steps))
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -198,12 +254,13 @@ def main() -> None:
         return
     from envs.launcher import running_server
 
-    held = json.loads((WORKSPACE / "items.json").read_text())["held_out"][:args.eval_items]
+    held = held_out(args.eval_items)
     with running_server("babyai", idle_ttl_s=7200) as url:
         warm_eval(url, held, args.h)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
-                print(run_arm(arm, seed, args.h, args.steps, args.eval_items, url), flush=True)
+                print(run_arm(arm, seed, args.h, args.steps, args.eval_items, url,
+                              CONTROL if args.command == "control" else DOCS), flush=True)
 
 
 if __name__ == "__main__":
