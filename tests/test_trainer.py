@@ -141,6 +141,11 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
     # the second turn of each trajectory prefilled only what its first turn added (the hf engine's prefix cache)
     assert metrics["rollout"]["prefix_reused_tokens"] > 0
     assert {"entropy", "kl", "pg_loss", "pg_clipfrac", "grad_norm", "lr"} <= set(metrics["actor"])
+    # the trainer scores the sampled tokens as the sampler did (two turns: the prefix cache, padding, the template),
+    # so an update starts on-policy
+    assert metrics["actor"]["sampler_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["actor"]["sampler_logprob_absdiff_max"] < 1e-2
+    assert {"advantage_token_mean", "advantage_weighted"} <= set(metrics["actor"])
     rows = (tmp_path / "dvclive" / "plots" / "metrics" / "reward" / "mean.tsv").read_text().splitlines()
     assert rows[0].split("\t")[0] == "step" and [r.split("\t")[0] for r in rows[1:]] == ["0", "1"]
     assert len(list((tmp_path / "rollouts").glob("step-*.jsonl"))) == 2
