@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -78,13 +79,13 @@ def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: floa
     return [float(result.success[i][0]) for i in items]
 
 
-def warm_eval(url: str, items: list[str], h: int) -> dict[str, list[float]]:
+def warm_eval(url: str, items: list[str], h: int, sampled: bool = True) -> dict[str, list[float] | None]:
     """The warm start's per-item success at ``h`` (greedy and sampled), kept in docs/learning/."""
     path = DOCS / f"warm-h{h}-n{len(items)}.json"
     if path.exists():
         return json.loads(path.read_text())
     out = {"greedy": _evaluate(WORKSPACE / "warm", url, items, h, 0.0),
-           "sampled": _evaluate(WORKSPACE / "warm", url, items, h, 1.0)}
+           "sampled": _evaluate(WORKSPACE / "warm", url, items, h, 1.0) if sampled else None}
     DOCS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out) + "\n")
     return out
@@ -114,7 +115,8 @@ def held_out(count: int) -> list[str]:
     return json.loads(extra.read_text())
 
 
-def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path = DOCS) -> Path:
+def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path = DOCS,
+            sampled: bool = True) -> Path:
     """Train and evaluate one arm at one seed (nothing when its JSON exists)."""
     from training.config import TrainConfig
     from training.trainer import train_phase
@@ -127,6 +129,9 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, 
     config = TrainConfig(items=data["grpo"], seed=seed, log_rollouts=False, skip_flat_steps=True,
                          drop_flat_groups=True, **(BASE | ARMS[arm]))
     folder = WORKSPACE / ("arms" if docs == DOCS else docs.name) / f"{arm}-h{h}-t{steps}-s{seed}"
+    trained = WORKSPACE / "arms" / folder.name
+    if docs != DOCS and not folder.exists() and (trained / "final").exists():  # the ablation trained it already
+        shutil.copytree(trained, folder)
     started = time.perf_counter()
     final = train_phase("babyai", 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
     train_s = time.perf_counter() - started
@@ -136,7 +141,8 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, 
     rows = [{"step": int(r["step"]), **{k: r.get(k) for k in keys}} for r in _dvclive_rows(folder / "dvclive")]
     result = {"arm": arm, "changes": ARMS[arm], "seed": seed, "h": h, "steps": steps, "items": held,
               "train_seconds": round(train_s, 1), "curve": rows,
-              "greedy": _evaluate(final, url, held, h, 0.0), "sampled": _evaluate(final, url, held, h, 1.0)}
+              "greedy": _evaluate(final, url, held, h, 0.0),
+              "sampled": _evaluate(final, url, held, h, 1.0) if sampled else None}
     docs.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result) + "\n")
     return out
@@ -214,13 +220,17 @@ def control_report(arm: str, h: int, steps: int) -> str:
     warm = warm_eval_cached(h, len(runs[0]["items"]))
     if warm is None:
         return "the warm start's evaluation is missing"
+    warm_sampled = f"{np.mean(warm['sampled']):.1%}" if warm.get("sampled") else "(not run)"
     lines = [f"| seed | greedy | vs warm {np.mean(warm['greedy']):.1%} (95% CI) | sampled T=1 | vs warm "
-             f"{np.mean(warm['sampled']):.1%} (95% CI) | train reward first 10 -> last 10 steps | train s |",
+             f"{warm_sampled} (95% CI) | train reward first 10 -> last 10 steps | train s |",
              "|---|---|---|---|---|---|---|"]
     for r in [*runs, None]:
         group = runs if r is None else [r]
         cells = []
         for mode in ("greedy", "sampled"):
+            if warm.get(mode) is None or any(g.get(mode) is None for g in group):
+                cells += ["not run", ""]
+                continue
             diff = seed_item_ci([np.subtract(g[mode], warm[mode]).tolist() for g in group])
             cells += [f"{np.mean([np.mean(g[mode]) for g in group]):.1%}", _fmt_diff(list(diff))]
         curve = [[c["reward/mean"] for c in g["curve"] if c.get("reward/mean") is not None] for g in group]
@@ -239,6 +249,8 @@ def main() -> None:
     parser.add_argument("--h", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-items", type=int, default=300)
+    parser.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
+                        help="also evaluate sampled at temperature 1.0 (one sample per item)")
     args = parser.parse_args()
     if args.command == "report":
         print(report(args.h, args.steps))
@@ -256,11 +268,11 @@ def main() -> None:
 
     held = held_out(args.eval_items)
     with running_server("babyai", idle_ttl_s=7200) as url:
-        warm_eval(url, held, args.h)
+        warm_eval(url, held, args.h, args.sampled)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
                 print(run_arm(arm, seed, args.h, args.steps, args.eval_items, url,
-                              CONTROL if args.command == "control" else DOCS), flush=True)
+                              CONTROL if args.command == "control" else DOCS, args.sampled), flush=True)
 
 
 if __name__ == "__main__":
