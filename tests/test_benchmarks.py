@@ -3,6 +3,8 @@ note."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.run_all import existing, write
 
 
@@ -25,3 +27,17 @@ def test_a_page_from_before_the_date_column_gives_its_rows_the_pages_date(tmp_pa
     rows, _ = existing(page)
     assert rows == [{"name": "bench", "figure": "5 steps/s", "target": ">= 1", "command": "python b.py",
                      "date": "2026-12-03", "seconds": "7", "load": "0.1 -> 0.2"}]
+
+
+def test_the_seed_and_item_interval_is_wider_than_the_items_alone_when_seeds_disagree() -> None:
+    from benchmarks.grpo_ablation import seed_item_ci
+    from training.evaluate import paired_difference_ci
+
+    # three seeds' paired differences on the same 200 items: +10, +10 and -6 points
+    diffs = [[1.0] * 20 + [0.0] * 180, [1.0] * 20 + [0.0] * 180, [-1.0] * 12 + [0.0] * 188]
+    mean, low, high = seed_item_ci(diffs)
+    assert mean == pytest.approx(28 / 600)
+    pooled = [sum(col) / 3 for col in zip(*diffs, strict=True)]
+    _, item_low, item_high = paired_difference_ci([0.0] * 200, pooled)
+    assert low < item_low and high > item_high  # the seed spread is in the interval, not hidden by averaging
+    assert seed_item_ci([[1.0] * 50]) == (1.0, 1.0, 1.0)
