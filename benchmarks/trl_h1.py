@@ -1,0 +1,278 @@
+"""TRL's GRPOTrainer beside this project's trainer on the single-turn case (BabyAI GoTo, turn cap h=1).
+
+Both start from the same warm start, train on the same GRPO items in the same order, with the same group
+size (4), items per step (8, so 32 completions and one optimizer step per step), learning rate, number of
+steps, sampling temperature (1.0, no top-k/top-p), completion cap (24 tokens), PPO clip 0.2, k3 KL to the warm
+start (1e-3), entropy bonus 1e-3 and gradient clipping 1.0; each is then evaluated greedily by this project's
+``evaluate`` on the same held-out items. TRL is not a project dependency: it lives in its own venv.
+
+    python3 -m venv .venv-trl
+    .venv-trl/bin/pip install torch==2.13.0
+    .venv-trl/bin/pip install trl transformers datasets accelerate numpy minigrid gymnasium httpx pydantic torch==2.13.0
+    .venv-trl/bin/pip install -e . --no-deps torch==2.13.0
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/trl_h1.py [--steps 40] [--lr 2e-5] [--held 200]
+
+Stages (``--stage``; ``all`` runs them in this order, each skipped when its output exists):
+  prep     (project venv) the items and the warm start: SFT (2 epochs, lr 1e-3, batch 8) of models/tiny on the
+           expert's episodes of the first --sft-episodes h=1 GoTo items of the pool (indices 2000-49999); the GRPO
+           items are the next steps x 8 h=1 items of the pool, in the order this project's DataStream takes them;
+           the held-out items are the first --held h=1 GoTo items of 900-1999, then 50000 on.
+  trainer  (project venv) ``training.trainer.train_phase`` at h=1 -> runs/trl-h1/trainer.
+  trl      (runs itself with .venv-trl/bin/python) ``trl.GRPOTrainer`` -> runs/trl-h1/trl/final; the prompt is the
+           chat-template rendering of the rollout's opening (instruction, acknowledgement, first observation)
+           with the generation prompt, given as a plain string; the reward is the BabyAI outcome of the reply
+           (1.0 on success, else 0.0), from an in-process environment.
+  eval     (project venv) greedy success of the warm start and both final models on the held-out items.
+Writes docs/learning/trl-h1/{warm,trainer,trl}.json: per-step curves and per-item held-out greedy success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "trl-h1"
+DOCS = ROOT / "docs" / "learning" / "trl-h1"
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+sys.path.insert(0, str(ROOT))  # `benchmarks` when run as a script
+
+
+def _write(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _threads() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def train_config(items: list[str], args: argparse.Namespace):
+    from training.config import TrainConfig
+
+    return TrainConfig(items=items, batch_items=8, n_samples=4, lr=args.lr, max_new_tokens=24, temperature=1.0,
+                       mini_batch_size=32, micro_batch_size=16, skip_flat_steps=True, drop_flat_groups=False,
+                       log_rollouts=False, kl_coef=1e-3, entropy_coef=1e-3, save_every=args.steps, seed=args.seed)
+
+
+def stage_prep(args: argparse.Namespace) -> None:
+    """Items, rendered prompts and the warm start (cached under runs/trl-h1)."""
+    from benchmarks import tiny_model
+    from benchmarks.learning_babyai import solvable
+    from envs.babyai.client import Spec
+    from envs.local import local_client
+    from envs.registry import load_backend
+    from envs.splits import item_index
+    from training.data import DataStream
+    from training.model import load_policy
+    from training.rollout import ChatFormat, opening_messages
+    from training.sft import SFTConfig, sft
+
+    items_file = RUNS / "items.json"
+    if not items_file.exists():
+        backend = load_backend("babyai")
+        need_pool = args.sft_episodes + args.steps * 8
+
+        def first_solvable(indices: range | list[int], count: int) -> dict[str, list[dict[str, str]]]:
+            found: dict[str, list[dict[str, str]]] = {}
+            chunk: list[str] = []
+            for i in indices:
+                if backend.sub_task(i) != "GoTo":
+                    continue
+                chunk.append(f"babyai_{i}")
+                if len(chunk) == 200:
+                    found |= solvable(chunk, 1)
+                    chunk = []
+                    if len(found) >= count:
+                        break
+            if len(found) < count and chunk:
+                found |= solvable(chunk, 1)
+            return dict(list(found.items())[:count])
+
+        pool = first_solvable(range(2000, 50_000), need_pool)
+        pool_items = list(pool)
+        sft_items, grpo_items = pool_items[: args.sft_episodes], pool_items[args.sft_episodes:]
+        held = list(first_solvable([*range(900, 2000), *range(50_000, 60_000)], args.held))
+        # the order this project's trainer takes them in (DataStream: seeded shuffle of config.items)
+        order = DataStream("babyai", train_config(grpo_items, args)).take(args.steps * 8)
+        _, tokenizer = load_policy(tiny_model())
+        chat = ChatFormat(tokenizer)
+        client = local_client("babyai")
+        prompts = {}
+        try:
+            for item in grpo_items:
+                first = client.reset(item_index(item)).observation
+                messages = opening_messages(Spec.conversation_start, first)
+                text = chat.render(messages, generation_prompt=True)
+                # TRL tokenizes a plain-string prompt with the tokenizer's default special tokens: same ids?
+                assert tokenizer(text)["input_ids"] == chat.prompt(messages), "prompt ids differ"
+                prompts[item] = text
+        finally:
+            client.close()
+        _write(items_file, {"sft": sft_items, "grpo": grpo_items, "grpo_order": order, "held_out": held,
+                            "prompts": prompts, "sft_episodes": [pool[i] for i in sft_items]})
+        print(f"items: {len(sft_items)} SFT, {len(grpo_items)} GRPO, {len(held)} held out", flush=True)
+    warm = RUNS / "warm"
+    if not (warm / "config.json").exists():
+        data = json.loads(items_file.read_text())
+        started = time.perf_counter()
+        sft(tiny_model(), warm, data["sft_episodes"], SFTConfig(epochs=2, lr=1e-3, batch_size=8))
+        print(f"warm start: SFT on {len(data['sft_episodes'])} episodes, {time.perf_counter() - started:.0f} s",
+              flush=True)
+
+
+def stage_trainer(args: argparse.Namespace) -> None:
+    from benchmarks.curriculum_study import _dvclive_rows
+    from envs.launcher import running_server
+    from training.trainer import train_phase
+
+    data = json.loads((RUNS / "items.json").read_text())
+    out = RUNS / "trainer"
+    started = time.perf_counter()
+    with running_server("babyai") as url:
+        final = train_phase("babyai", 0, 1, args.steps, RUNS / "warm", out, config=train_config(data["grpo"], args),
+                            url=url, progress=True)
+    wall = time.perf_counter() - started
+    rows = [{"step": int(r["step"]), "reward": r.get("reward/mean"), "success": r.get("success/rate"),
+             "skipped": r.get("actor/skipped", 0.0), "kl": r.get("actor/kl"), "entropy": r.get("actor/entropy"),
+             "seconds": r.get("timing_s/total")} for r in _dvclive_rows(out / "dvclive")]
+    _write(RUNS / "trainer_curve.json", {"final": str(final), "wall_seconds": wall, "rows": rows})
+
+
+def stage_trl(args: argparse.Namespace) -> None:
+    """Runs in .venv-trl: TRL's GRPOTrainer on the same items, in the same order."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from envs.local import local_client
+    from envs.splits import item_index
+
+    data = json.loads((RUNS / "items.json").read_text())
+    order = data["grpo_order"]
+    dataset = Dataset.from_dict({"prompt": [data["prompts"][i] for i in order], "item": order})
+    client = local_client("babyai")
+    curve: list[dict[str, object]] = []
+
+    def babyai_outcome(prompts: list[str], completions: list[str], item: list[str], **_: object) -> list[float]:
+        """1.0 when the reply, stepped in the item's environment, solves it; else 0.0."""
+        out, shaped = [], []
+        for name, reply in zip(item, completions, strict=True):
+            client.reset(item_index(name))
+            step = client.step(reply)
+            out.append(1.0 if step.success else 0.0)
+            shaped.append(float(step.reward))
+        curve.append({"step": len(curve), "items": list(dict.fromkeys(item)), "reward": sum(out) / len(out),
+                      "success": sum(out) / len(out), "env_reward": sum(shaped) / len(shaped),
+                      "flat_groups": sum(len(set(out[g:g + 4])) == 1 for g in range(0, len(out), 4))})
+        return out
+
+    logs: list[dict[str, float]] = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, _args, state, _control, logs_=None, **kwargs):
+            entry = kwargs.get("logs") or logs_
+            if entry:
+                logs.append({"step": state.global_step, **{k: float(v) for k, v in entry.items()
+                                                           if isinstance(v, (int, float))}})
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(RUNS / "warm"), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(RUNS / "warm"), padding_side="left")
+    out = RUNS / "trl"
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=True, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0,
+        per_device_train_batch_size=32, gradient_accumulation_steps=1, num_generations=4, steps_per_generation=1,
+        num_iterations=1, shuffle_dataset=False, max_completion_length=24, temperature=1.0, top_p=1.0, top_k=0,
+        beta=1e-3, epsilon=0.2, loss_type="dapo", scale_rewards="group", entropy_coef=1e-3,
+        bf16=False, fp16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
+        save_strategy="no", dataloader_num_workers=0, log_completions=False, disable_dropout=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=babyai_outcome, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Keep()])
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    client.close()
+    trainer.save_model(str(out / "final"))
+    tokenizer.save_pretrained(str(out / "final"))
+    expected = [list(dict.fromkeys(order[s * 8:(s + 1) * 8])) for s in range(args.steps)]
+    assert [c["items"] for c in curve] == expected, "TRL took the items in another order"
+    _write(RUNS / "trl_curve.json", {"trl_version": trl.__version__, "wall_seconds": wall, "rows": curve,
+                                     "trl_logs": logs, "final": str(out / "final")})
+
+
+def stage_eval(args: argparse.Namespace) -> None:
+    from envs.launcher import running_server
+    from training.evaluate import evaluate, paired_difference_ci
+
+    data = json.loads((RUNS / "items.json").read_text())
+    held = data["held_out"]
+    models = {"warm": RUNS / "warm", "trainer": RUNS / "trainer" / "final", "trl": RUNS / "trl" / "final"}
+    results = {}
+    with running_server("babyai") as url:
+        for name, folder in models.items():
+            started = time.perf_counter()
+            result = evaluate(folder, "babyai", url, held, h=1, max_new_tokens=24, batch_items=50)
+            results[name] = {i: bool(result.success[i][0]) for i in held}
+            print(f"{name}: greedy success {result.success_rate:.1%} on {len(held)} held-out items "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    common = {"env": "babyai", "h": 1, "steps": args.steps, "lr": args.lr, "seed": args.seed, "group": 4,
+              "items_per_step": 8, "max_new_tokens": 24, "held_out_items": held, "grpo_item_order": data["grpo_order"]}
+    warm = [float(results["warm"][i]) for i in held]
+    _write(DOCS / "warm.json", common | {"model": "warm start: SFT of models/tiny, 2 epochs, lr 1e-3, batch 8",
+                                         "sft_episodes": len(data["sft"]), "held_out_success": results["warm"],
+                                         "held_out_success_rate": sum(warm) / len(warm)})
+    for name, curve_file in (("trainer", "trainer_curve.json"), ("trl", "trl_curve.json")):
+        curve = json.loads((RUNS / curve_file).read_text())
+        after = [float(results[name][i]) for i in held]
+        diff, low, high = paired_difference_ci(warm, after)
+        _write(DOCS / f"{name}.json", common | {
+            "trainer": ("training.trainer.train_phase" if name == "trainer"
+                        else f"trl.GRPOTrainer {curve['trl_version']}"),
+            "wall_seconds_train": curve["wall_seconds"], "curve": curve["rows"],
+            **({"trl_logs": curve["trl_logs"]} if name == "trl" else {}),
+            "held_out_success": results[name], "held_out_success_rate": sum(after) / len(after),
+            "paired_difference_vs_warm": {"mean": diff, "ci95": [low, high]}})
+        print(f"{name}: {sum(warm) / len(warm):.1%} -> {sum(after) / len(after):.1%}, paired change {diff:+.1%} "
+              f"(95% CI {low:+.1%} to {high:+.1%})", flush=True)
+    a, b = [float(results["trainer"][i]) for i in held], [float(results["trl"][i]) for i in held]
+    diff, low, high = paired_difference_ci(a, b)
+    print(f"trl - trainer: {diff:+.1%} (95% CI {low:+.1%} to {high:+.1%})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", choices=["all", "prep", "trainer", "trl", "eval"], default="all")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--held", type=int, default=200)
+    parser.add_argument("--sft-episodes", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    _threads()
+    if args.stage != "all":
+        {"prep": stage_prep, "trainer": stage_trainer, "trl": stage_trl, "eval": stage_eval}[args.stage](args)
+        return
+    stage_prep(args)
+    if not (RUNS / "trainer_curve.json").exists():
+        stage_trainer(args)
+    if not (RUNS / "trl_curve.json").exists():
+        flags = ["--steps", str(args.steps), "--lr", str(args.lr), "--held", str(args.held),
+                 "--sft-episodes", str(args.sft_episodes), "--seed", str(args.seed)]
+        subprocess.run([str(TRL_PYTHON), __file__, "--stage", "trl", *flags], check=True,
+                       env=os.environ | {"OMP_NUM_THREADS": "1"})
+    stage_eval(args)
+
+
+if __name__ == "__main__":
+    main()
