@@ -10,7 +10,12 @@ start (1e-3), entropy bonus 1e-3 and gradient clipping 1.0; each is then evaluat
     .venv-trl/bin/pip install torch==2.13.0
     .venv-trl/bin/pip install trl transformers datasets accelerate numpy minigrid gymnasium httpx pydantic torch==2.13.0
     .venv-trl/bin/pip install -e . --no-deps torch==2.13.0
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/trl_h1.py [--steps 40] [--lr 2e-5] [--held 200]
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/trl_h1.py [--steps 40] [--lr 2e-5] [--held 200] [--tag T]
+
+``--tag`` names a run (default from the learning rate, e.g. ``lr-2e-04``, with ``-s<steps>``/``-seed<seed>`` when
+those differ from 40/0). Prep (items, warm start) is shared by all tags under runs/trl-h1. The stages trainer, trl,
+eval and plot write to runs/trl-h1/<tag>/ and docs/learning/trl-h1/<tag>/, except the first run (lr 2e-5, 40
+steps, seed 0, default tag), whose outputs stay directly under runs/trl-h1/ and docs/learning/trl-h1/.
 
 Stages (``--stage``; ``all`` runs them in this order, each skipped when its output exists):
   prep     (project venv) the items and the warm start: SFT (2 epochs, lr 1e-3, batch 8) of models/tiny on the
@@ -23,7 +28,10 @@ Stages (``--stage``; ``all`` runs them in this order, each skipped when its outp
            with the generation prompt, given as a plain string; the reward is the BabyAI outcome of the reply
            (1.0 on success, else 0.0), from an in-process environment.
   eval     (project venv) greedy success of the warm start and both final models on the held-out items.
-Writes docs/learning/trl-h1/{warm,trainer,trl}.json: per-step curves and per-item held-out greedy success.
+  plot     (project venv) curves.svg: both per-step sampled success curves on the same axes, and held-out greedy
+           success of the warm start and both final models with the paired 95% CIs of the change.
+Writes docs/learning/trl-h1/[<tag>/]{warm,trainer,trl}.json (per-step curves, per-item held-out greedy success)
+and curves.svg.
 """
 
 from __future__ import annotations
@@ -41,6 +49,23 @@ RUNS = ROOT / "runs" / "trl-h1"
 DOCS = ROOT / "docs" / "learning" / "trl-h1"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 sys.path.insert(0, str(ROOT))  # `benchmarks` when run as a script
+
+
+def default_tag(args: argparse.Namespace) -> str:
+    mantissa, exponent = f"{args.lr:e}".split("e")
+    tag = f"lr-{mantissa.rstrip('0').rstrip('.')}e{exponent}"
+    if args.steps != 40:
+        tag += f"-s{args.steps}"
+    if args.seed != 0:
+        tag += f"-seed{args.seed}"
+    return tag
+
+
+def out_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(runs folder, docs folder) of the stages trainer, trl, eval and plot for this tag."""
+    if args.tag == default_tag(args) and (args.lr, args.steps, args.seed) == (2e-5, 40, 0):
+        return RUNS, DOCS  # the first run, kept where it was written
+    return RUNS / args.tag, DOCS / args.tag
 
 
 def _write(path: Path, data: object) -> None:
@@ -134,7 +159,9 @@ def stage_trainer(args: argparse.Namespace) -> None:
     from training.trainer import train_phase
 
     data = json.loads((RUNS / "items.json").read_text())
-    out = RUNS / "trainer"
+    runs, _ = out_dirs(args)
+    out = runs / "trainer"
+    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with running_server("babyai") as url:
         final = train_phase("babyai", 0, 1, args.steps, RUNS / "warm", out, config=train_config(data["grpo"], args),
@@ -143,7 +170,7 @@ def stage_trainer(args: argparse.Namespace) -> None:
     rows = [{"step": int(r["step"]), "reward": r.get("reward/mean"), "success": r.get("success/rate"),
              "skipped": r.get("actor/skipped", 0.0), "kl": r.get("actor/kl"), "entropy": r.get("actor/entropy"),
              "seconds": r.get("timing_s/total")} for r in _dvclive_rows(out / "dvclive")]
-    _write(RUNS / "trainer_curve.json", {"final": str(final), "wall_seconds": wall, "rows": rows})
+    _write(runs / "trainer_curve.json", {"final": str(final), "wall_seconds": wall, "rows": rows})
 
 
 def stage_trl(args: argparse.Namespace) -> None:
@@ -188,7 +215,8 @@ def stage_trl(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(str(RUNS / "warm"), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(RUNS / "warm"), padding_side="left")
-    out = RUNS / "trl"
+    runs, _ = out_dirs(args)
+    out = runs / "trl"
     config = GRPOConfig(
         output_dir=str(out), use_cpu=True, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0,
@@ -207,7 +235,7 @@ def stage_trl(args: argparse.Namespace) -> None:
     tokenizer.save_pretrained(str(out / "final"))
     expected = [list(dict.fromkeys(order[s * 8:(s + 1) * 8])) for s in range(args.steps)]
     assert [c["items"] for c in curve] == expected, "TRL took the items in another order"
-    _write(RUNS / "trl_curve.json", {"trl_version": trl.__version__, "wall_seconds": wall, "rows": curve,
+    _write(runs / "trl_curve.json", {"trl_version": trl.__version__, "wall_seconds": wall, "rows": curve,
                                      "trl_logs": logs, "final": str(out / "final")})
 
 
@@ -217,7 +245,8 @@ def stage_eval(args: argparse.Namespace) -> None:
 
     data = json.loads((RUNS / "items.json").read_text())
     held = data["held_out"]
-    models = {"warm": RUNS / "warm", "trainer": RUNS / "trainer" / "final", "trl": RUNS / "trl" / "final"}
+    runs, docs = out_dirs(args)
+    models = {"warm": RUNS / "warm", "trainer": runs / "trainer" / "final", "trl": runs / "trl" / "final"}
     results = {}
     with running_server("babyai") as url:
         for name, folder in models.items():
@@ -226,17 +255,18 @@ def stage_eval(args: argparse.Namespace) -> None:
             results[name] = {i: bool(result.success[i][0]) for i in held}
             print(f"{name}: greedy success {result.success_rate:.1%} on {len(held)} held-out items "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
-    common = {"env": "babyai", "h": 1, "steps": args.steps, "lr": args.lr, "seed": args.seed, "group": 4,
+    common = {"env": "babyai", "h": 1, "tag": args.tag, "steps": args.steps, "lr": args.lr, "seed": args.seed,
+              "group": 4,
               "items_per_step": 8, "max_new_tokens": 24, "held_out_items": held, "grpo_item_order": data["grpo_order"]}
     warm = [float(results["warm"][i]) for i in held]
-    _write(DOCS / "warm.json", common | {"model": "warm start: SFT of models/tiny, 2 epochs, lr 1e-3, batch 8",
+    _write(docs / "warm.json", common | {"model": "warm start: SFT of models/tiny, 2 epochs, lr 1e-3, batch 8",
                                          "sft_episodes": len(data["sft"]), "held_out_success": results["warm"],
                                          "held_out_success_rate": sum(warm) / len(warm)})
     for name, curve_file in (("trainer", "trainer_curve.json"), ("trl", "trl_curve.json")):
-        curve = json.loads((RUNS / curve_file).read_text())
+        curve = json.loads((runs / curve_file).read_text())
         after = [float(results[name][i]) for i in held]
         diff, low, high = paired_difference_ci(warm, after)
-        _write(DOCS / f"{name}.json", common | {
+        _write(docs / f"{name}.json", common | {
             "trainer": ("training.trainer.train_phase" if name == "trainer"
                         else f"trl.GRPOTrainer {curve['trl_version']}"),
             "wall_seconds_train": curve["wall_seconds"], "curve": curve["rows"],
