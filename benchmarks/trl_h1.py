@@ -68,6 +68,15 @@ def out_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
     return RUNS / args.tag, DOCS / args.tag
 
 
+def _items(args: argparse.Namespace) -> dict:
+    """The shared prep's items; it fixed the GRPO items for its --steps, so a later run may not take more."""
+    data = json.loads((RUNS / "items.json").read_text())
+    if len(data["grpo_order"]) < args.steps * 8:
+        raise SystemExit(f"runs/trl-h1/items.json holds {len(data['grpo_order'])} GRPO items, fewer than "
+                         f"--steps {args.steps} x 8")
+    return data
+
+
 def _write(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -158,7 +167,7 @@ def stage_trainer(args: argparse.Namespace) -> None:
     from envs.launcher import running_server
     from training.trainer import train_phase
 
-    data = json.loads((RUNS / "items.json").read_text())
+    data = _items(args)
     runs, _ = out_dirs(args)
     out = runs / "trainer"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +193,7 @@ def stage_trl(args: argparse.Namespace) -> None:
     from envs.local import local_client
     from envs.splits import item_index
 
-    data = json.loads((RUNS / "items.json").read_text())
+    data = _items(args)
     order = data["grpo_order"]
     dataset = Dataset.from_dict({"prompt": [data["prompts"][i] for i in order], "item": order})
     client = local_client("babyai")
@@ -280,28 +289,127 @@ def stage_eval(args: argparse.Namespace) -> None:
     print(f"trl - trainer: {diff:+.1%} (95% CI {low:+.1%} to {high:+.1%})", flush=True)
 
 
+def _svg_text(x: float, y: float, text: str, size: int = 12, anchor: str = "start", extra: str = "") -> str:
+    from html import escape
+
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" {extra}>'
+            f"{escape(text)}</text>")
+
+
+def stage_plot(args: argparse.Namespace) -> None:
+    """docs/.../curves.svg: per-step success of both trainers, and held-out greedy success before/after.
+
+    matplotlib is not in the project venv, so this is a hand-made SVG.
+    """
+    _, docs = out_dirs(args)
+    warm = json.loads((docs / "warm.json").read_text())
+    runs = {name: json.loads((docs / f"{name}.json").read_text()) for name in ("trainer", "trl")}
+    colors = {"trainer": "#1f77b4", "trl": "#d62728"}
+    labels = {"trainer": "this project (train_phase)", "trl": runs["trl"]["trainer"]}
+    width, height = 960, 450
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             _svg_text(width / 2, 22, f"BabyAI GoTo, h=1, one warm start: lr {args.lr:g}, {args.steps} steps, "
+                       f"8 items x 4 samples per step (tag {args.tag})", 14, "middle", 'font-weight="bold"')]
+
+    # left panel: per-step sampled success (training reward), raw and 5-step running mean
+    left, top, w, h = 60, 50, 520, 300
+    steps = max(len(r["curve"]) for r in runs.values())
+    def xy(step: float, value: float) -> tuple[float, float]:
+        return left + w * step / max(steps - 1, 1), top + h * (1 - value)
+    parts.append(f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#444"/>')
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        _, y = xy(0, tick)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + w}" y2="{y:.1f}" stroke="#ddd"/>')
+        parts.append(_svg_text(left - 6, y + 4, f"{tick:.2f}", 11, "end"))
+    for tick in range(0, steps, 5):
+        x, _ = xy(tick, 0)
+        parts.append(_svg_text(x, top + h + 16, str(tick), 11, "middle"))
+    parts.append(_svg_text(left + w / 2, top + h + 34, "step", 12, "middle"))
+    parts.append(_svg_text(16, top + h / 2, "sampled success (= reward) per step", 12, "middle",
+                           f'transform="rotate(-90 16 {top + h / 2})"'))
+    for k, (name, run) in enumerate(runs.items()):
+        values = [(r["step"], r["success"]) for r in run["curve"] if r.get("success") is not None]
+        points = " ".join("{:.1f},{:.1f}".format(*xy(s, v)) for s, v in values)
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{colors[name]}" stroke-width="1" '
+                     'stroke-opacity="0.45"/>')
+        smooth = [(s, sum(v for _, v in values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1]))
+                  for i, (s, _) in enumerate(values)]
+        points = " ".join("{:.1f},{:.1f}".format(*xy(s, v)) for s, v in smooth)
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{colors[name]}" stroke-width="2.5"/>')
+        mean = sum(v for _, v in values) / len(values)
+        y = top + h + 56 + 16 * k
+        parts.append(f'<line x1="{left + 10}" y1="{y - 4}" x2="{left + 34}" y2="{y - 4}" stroke="{colors[name]}" '
+                     'stroke-width="2.5"/>')
+        parts.append(_svg_text(left + 40, y, f"{labels[name]}: mean {mean:.3f} over {len(values)} steps", 11))
+    parts.append(_svg_text(left + 10, top + h + 88, "thin: per step (32 samples); thick: 5-step running mean", 10))
+
+    # right panel: held-out greedy success of the warm start and both finals, paired 95% CI of the change
+    left2, w2 = 660, 260
+    n = len(warm["held_out_items"])
+    rates = {"warm": warm["held_out_success_rate"], **{k: r["held_out_success_rate"] for k, r in runs.items()}}
+    top_rate = min(1.0, max(0.25, (max(rates.values()) // 0.25 + 1) * 0.25))
+    def y2(value: float) -> float:
+        return top + h * (1 - value / top_rate)
+    parts.append(f'<rect x="{left2}" y="{top}" width="{w2}" height="{h}" fill="none" stroke="#444"/>')
+    for i in range(round(top_rate / 0.05) + 1):
+        tick = i * 0.05
+        if i % 2 == 0:
+            parts.append(f'<line x1="{left2}" y1="{y2(tick):.1f}" x2="{left2 + w2}" y2="{y2(tick):.1f}" '
+                         'stroke="#ddd"/>')
+            parts.append(_svg_text(left2 - 6, y2(tick) + 4, f"{tick:.0%}", 11, "end"))
+    parts.append(_svg_text(left2 + w2 / 2, top - 8, f"held-out greedy success ({n} items)", 12, "middle"))
+    bar = 56
+    for i, name in enumerate(("warm", "trainer", "trl")):
+        x = left2 + 30 + i * 80
+        rate = rates[name]
+        parts.append(f'<rect x="{x}" y="{y2(rate):.1f}" width="{bar}" height="{top + h - y2(rate):.1f}" '
+                     f'fill="{colors.get(name, "#888")}" fill-opacity="0.75"/>')
+        parts.append(_svg_text(x + bar / 2, y2(rate) - 5, f"{rate:.1%}", 12, "middle"))
+        parts.append(_svg_text(x + bar / 2, top + h + 16, {"warm": "warm start"}.get(name, name), 11, "middle"))
+        if name != "warm":
+            change = runs[name]["paired_difference_vs_warm"]
+            low, high = change["ci95"]
+            parts.append(_svg_text(x + bar / 2, top + h + 32, f"{change['mean']:+.1%}", 11, "middle"))
+            parts.append(_svg_text(x + bar / 2, top + h + 46, f"[{low:+.1%}, {high:+.1%}]", 10, "middle"))
+    parts.append(_svg_text(left2 + w2 / 2, top + h + 62, "paired change vs warm start, 95% CI", 10, "middle"))
+    parts.append("</svg>")
+    out = docs / "curves.svg"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["all", "prep", "trainer", "trl", "eval"], default="all")
+    parser.add_argument("--stage", choices=["all", "prep", "trainer", "trl", "eval", "plot"], default="all")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--held", type=int, default=200)
     parser.add_argument("--sft-episodes", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", help="run name (default: from --lr, --steps and --seed, e.g. lr-2e-04)")
     args = parser.parse_args()
+    args.tag = args.tag or default_tag(args)
+    if args.stage == "plot":
+        stage_plot(args)
+        return
     _threads()
     if args.stage != "all":
         {"prep": stage_prep, "trainer": stage_trainer, "trl": stage_trl, "eval": stage_eval}[args.stage](args)
         return
     stage_prep(args)
-    if not (RUNS / "trainer_curve.json").exists():
+    runs, _ = out_dirs(args)
+    if not (runs / "trainer_curve.json").exists():
         stage_trainer(args)
-    if not (RUNS / "trl_curve.json").exists():
+    if not (runs / "trl_curve.json").exists():
         flags = ["--steps", str(args.steps), "--lr", str(args.lr), "--held", str(args.held),
-                 "--sft-episodes", str(args.sft_episodes), "--seed", str(args.seed)]
+                 "--sft-episodes", str(args.sft_episodes), "--seed", str(args.seed), "--tag", args.tag]
         subprocess.run([str(TRL_PYTHON), __file__, "--stage", "trl", *flags], check=True,
                        env=os.environ | {"OMP_NUM_THREADS": "1"})
     stage_eval(args)
+    stage_plot(args)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,26 @@ def test_ppo_epochs_really_run_more_updates(env_server, tiny_model_dir, tmp_path
     assert float(state_two[0]["step"]) == 2 * float(state_one[0]["step"])
 
 
+def test_the_loss_aggregation_and_grpo_std_settings_reach_the_update(env_server, bandit_warm_start, tmp_path
+                                                                     ) -> None:
+    """Sampled replies differ in length: each setting changes the weights one step makes, and under the
+    per-trajectory mean the advantage the tokens carry in all is zero."""
+    url = env_server("bandit")
+    runs = {}
+    for name, update in {"token": {}, "seq": {"loss_agg": "seq-mean-token-mean"},
+                         "no-std": {"grpo_norm_std": False}}.items():
+        config = TrainConfig(batch_items=4, n_samples=4, max_new_tokens=16, lr=1e-3, mini_batch_size=16,
+                             micro_batch_size=8, skip_flat_steps=True, **update)
+        final = train_phase("bandit", 0, 1, 1, bandit_warm_start, tmp_path / name, config=config, url=url)
+        runs[name] = (_weights(final), json.loads((tmp_path / name / "dvclive" / "metrics.json").read_text()))
+    assert runs["token"][1]["actor"].get("skipped") != 1.0, "the step had no signal: pick another seed"
+    assert runs["token"][0] != runs["seq"][0] and runs["token"][0] != runs["no-std"][0]
+    assert runs["seq"][1]["actor"]["advantage_weighted"] == pytest.approx(0.0, abs=1e-6)
+    token = runs["token"][1]["actor"]
+    assert token["advantage_weighted"] == pytest.approx(token["advantage_token_mean"], abs=1e-6)
+    assert token["advantage_token_mean"] != pytest.approx(0.0, abs=1e-6)  # replies of unequal length
+
+
 def test_ppo_trains_a_critic_and_saves_it(env_server, tiny_model_dir, tmp_path) -> None:
     config = CONFIG.model_copy(update={"algorithm": "ppo"})
     final = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path, config=config, url=env_server("babyai"))
