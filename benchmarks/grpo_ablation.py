@@ -135,6 +135,8 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, 
     started = time.perf_counter()
     final = train_phase("babyai", 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
     train_s = time.perf_counter() - started
+    if docs != DOCS and (DOCS / out.name).exists():  # trained by the ablation: its time is the training's
+        train_s = json.loads((DOCS / out.name).read_text())["train_seconds"]
     keys = ("reward/mean", "success/rate", "actor/kl", "actor/entropy", "actor/sampler_ratio",
             "actor/sampler_logprob_absdiff", "actor/advantage_token_mean", "actor/advantage_weighted",
             "actor/grad_norm", "turns/mean", "actor/skipped")

@@ -442,3 +442,17 @@ def test_a_checkpoint_is_hashed_when_written_and_verified_once_when_loaded(env_s
     written = read_manifest(tmp_path / "next" / "final")["files"]
     names = [name.removeprefix("state/") for name in [*read_manifest(final)["files"], *written]]
     assert sorted(hashed) == sorted(names)
+
+
+def test_the_observation_after_a_cut_trajectorys_last_turn_changes_no_trained_log_prob(tiny_policy) -> None:
+    """A trajectory cut by the turn cap ends with the observation that came after its last turn (mask 0): being
+    after the last agent token, it cannot change any agent token's log-prob, so the update trains the same."""
+    from training.losses import policy_forward
+
+    model, _ = tiny_policy
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(1, 40)
+    mask[0, 10:18] = 1  # an agent turn; 18-39: the trailing observation
+    full, _ = policy_forward(model, ids, torch.ones_like(ids), mask)
+    cut, _ = policy_forward(model, ids[:, :18], torch.ones(1, 18, dtype=torch.long), mask[:, :18])
+    assert torch.allclose(full[:, 10:18], cut[:, 10:18], atol=1e-5)
