@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -37,7 +37,7 @@ class ActorLoss:
 
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = get_args(LossAggregation)
 
 
 def loss_weights(mask: torch.Tensor, mode: LossAggregation = "token-mean", norm: float = 1.0) -> torch.Tensor:
