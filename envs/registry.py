@@ -59,3 +59,22 @@ def expert(name: str) -> Any:
     """The expert episode runner ``solve(client, data_idx) -> StepOutput`` of environment ``name``."""
     _check(name)
     return _attr(f"envs.{name}.expert", "solve")
+
+
+#: the backend option that bounds an environment's live instances (one JVM / browser context each)
+CAPACITY_OPTIONS: dict[str, str] = {"sciworld": "max_jvms", "webarena": "max_contexts"}
+
+
+def backend_capacity(name: str, options: dict[str, Any]) -> int | None:
+    """The live instances one server of ``name`` holds at once with backend ``options`` (its pool option, else
+    the backend's own default), read from the settings alone, nothing started; None: bounded only by the
+    server's ``max_instances``."""
+    import inspect
+
+    _check(name)
+    option = CAPACITY_OPTIONS.get(name)
+    if option is None:
+        return None
+    if option in options:
+        return int(options[option])
+    return int(inspect.signature(_attr(f"envs.{name}.backend", "Backend")).parameters[option].default)

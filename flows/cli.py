@@ -291,8 +291,6 @@ def train_phase_cmd(
         raise typer.Exit(subprocess.call(cmd))
     try:
         overrides = _pairs(set_ or [])
-        if os.environ.get("SCALINGINTER_DEVICE"):  # placement, from a work pool's job variables
-            overrides["device"] = os.environ["SCALINGINTER_DEVICE"]
         params = load_params()
         spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
                          init=Path(init) if init else base_model_dir(params),

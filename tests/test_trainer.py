@@ -456,3 +456,46 @@ def test_the_observation_after_a_cut_trajectorys_last_turn_changes_no_trained_lo
     full, _ = policy_forward(model, ids, torch.ones_like(ids), mask)
     cut, _ = policy_forward(model, ids[:, :18], torch.ones(1, 18, dtype=torch.long), mask[:, :18])
     assert torch.allclose(full[:, 10:18], cut[:, 10:18], atol=1e-5)
+
+
+def test_chunked_log_probs_give_the_same_values_and_gradients(tiny_policy) -> None:
+    """logprob_chunk computes the vocabulary projection a chunk of positions at a time from the final hidden
+    states (recomputed in backward): the log-probs and entropies are those of the whole-logits path, and so
+    are the gradients (within float rounding of the accumulation)."""
+    from training.losses import policy_forward
+
+    model, _ = tiny_policy
+    ids = torch.randint(3, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 30)
+    mask[:, 9:] = 1
+    grads = []
+    for chunk in (None, 7):
+        model.zero_grad()
+        logprobs, entropy = policy_forward(model, ids, torch.ones_like(ids), mask, 0.8, chunk=chunk,
+                                           head=model.get_output_embeddings())
+        ((logprobs * mask).sum() + (entropy * mask).sum()).backward()
+        grads.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad()
+    (whole_lp, whole_ent, whole_g), (chunk_lp, chunk_ent, chunk_g) = grads
+    assert whole_lp[:, 9:].abs().sum() > 0 and torch.allclose(whole_lp, chunk_lp, atol=1e-6)
+    assert torch.allclose(whole_ent, chunk_ent, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole_g, chunk_g, strict=True))
+    with pytest.raises(ValueError, match="output embeddings"):
+        policy_forward(model, ids, torch.ones_like(ids), mask, chunk=7)
+
+
+def test_the_memory_levers_train_the_same_step(env_server, tiny_model_dir, tmp_path) -> None:
+    """gradient_checkpointing and logprob_chunk change what is kept for the backward pass, not the update: one
+    step with both trains the weights the plain step trains (within float rounding), and both are recorded."""
+    from safetensors.torch import load_file
+
+    url = env_server("babyai")
+    plain = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path / "plain", config=CONFIG, url=url)
+    lean_config = CONFIG.model_copy(update={"gradient_checkpointing": True, "logprob_chunk": 5})
+    lean = train_phase("babyai", 0, 2, 1, tiny_model_dir, tmp_path / "lean", config=lean_config, url=url)
+    assert read_manifest(lean)["config"]["gradient_checkpointing"] is True
+    assert read_manifest(lean)["config"]["logprob_chunk"] == 5
+    start, a, b = (load_file(f / "model.safetensors") for f in (tiny_model_dir, plain, lean))
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    apart = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert moved > 1e-5 and apart < moved / 10, (moved, apart)

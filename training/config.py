@@ -4,7 +4,6 @@ from ``training.curriculum``), and the ``PhaseSpec`` a phase is trained from."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from envs.paths import project_root
 from training.curriculum import AdaptiveRule, CurriculumConfig
+from training.devices import placement
 from training.guard import GuardConfig
 from training.layout import Run, base_model
 from training.lora import LoraSettings
@@ -83,6 +83,13 @@ class TrainConfig(BaseModel):
     mini_batch_size: int = Field(8, ge=1, description="trajectories per optimizer step")
     micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = Field(1, ge=1, description="passes over the step's mini-batches")
+    logprob_chunk: int | None = Field(None, ge=1, description="compute the vocabulary projection, log-probs and "
+                                      "entropy this many positions at a time, each chunk recomputed in the backward "
+                                      "pass: a long context's [tokens x vocabulary] logits never exist whole (None: "
+                                      "all positions at once)")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
+                                         "pass instead of keeping them: a long context's activations shrink from "
+                                         "every layer's to one layer's, for ~1/3 more update time (same losses)")
     clip: float = 0.2
     loss_agg: LossAggregation = Field("token-mean", description="how a mini-batch's tokens are weighed in the "
                                       "loss: token-mean (each token the same), seq-mean-token-mean (each trajectory "
@@ -225,11 +232,13 @@ def mixed_envs(env: str) -> list[str]:
 
 def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,
                  params: dict[str, Any] | None = None) -> TrainConfig:
-    """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``."""
+    """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``; the device
+    where a work pool places the work (``SCALINGINTER_DEVICE``: :func:`training.devices.placement`) wins."""
     params = load_params() if params is None else params
     components = mixed_components(env, params)
     profile, values = _profile_values(params, "train", MIXED if len(components) > 1 else env, profile)
     values = {**values, **(overrides or {})}
+    values["device"] = placement(values.get("device", "cpu"))
     if len(components) > 1:  # each environment keeps its own cap: curriculum.<env>.cap unless mix sets max_h
         caps = {e: (params.get("curriculum", {}).get(e) or {}).get("cap") for e in components}
         mix = {e: dict(v) for e, v in (values.get("mix") or {}).items()}
@@ -282,8 +291,7 @@ def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | N
     profile, values = _profile_values(params, "eval", env, profile)
     if values.get("context_budget") is None:
         values["context_budget"] = train_config(env, profile, params=params).context_budget
-    if os.environ.get("SCALINGINTER_DEVICE"):  # machine placement, from a work pool's job variables
-        values["device"] = os.environ["SCALINGINTER_DEVICE"]
+    values["device"] = placement(values.get("device", "cpu"))  # machine placement, from a work pool
     try:
         config = EvalConfig(**values)
     except ValidationError as err:

@@ -27,7 +27,8 @@ PLACEMENT_VAR = "SCALINGINTER_DEVICE"
 
 def placement(default: str = "cpu") -> str:
     """The device a work pool places the work on (``SCALINGINTER_DEVICE``), else ``default``: placement only,
-    never a DVC param (the same settings give the same run on any machine the pool puts it on)."""
+    never a DVC param (the same settings give the same run on any machine the pool puts it on). The one reader
+    of the variable: the phase's, the evaluation's and the warm-start stages' settings all take it from here."""
     return os.environ.get(PLACEMENT_VAR) or default
 
 
@@ -45,6 +46,39 @@ def resolve_device(name: str = "auto") -> torch.device:
     if kind not in {"cpu", "cuda", "npu"}:
         raise DeviceError(f"unknown device {name!r}: choose auto, cpu, cuda[:N] or npu[:N]")
     return torch.device(name)
+
+
+def rank_device_name(name: str, local_rank: int | None, world_size: int, visible: int | None = None) -> str:
+    """The device one rank of ``world_size`` trains on, from the setting ``name`` and its ``LOCAL_RANK``: on one
+    process ``name`` itself; on several, an accelerator setting (``cuda``, ``cuda:0``, ``npu`` ...) gives each rank
+    its own, ``<kind>:<local_rank>`` (an index in the setting names the kind, not the device: every rank on device
+    0 would hold ``world_size`` copies of the policy and the reference), and ``cpu`` stays ``cpu``. ``visible``:
+    the accelerators this node shows (a rank past them is refused, naming the setting to change)."""
+    if world_size <= 1 or local_rank is None:
+        return name
+    kind = name.split(":")[0]
+    if kind not in ("cuda", "npu"):
+        return name
+    if visible is not None and local_rank >= visible:
+        raise DeviceError(f"local rank {local_rank} has no {kind} device of its own: this node shows {visible}; "
+                          f"set SCALINGINTER_NPROC to at most {visible} (one rank per device)")
+    return f"{kind}:{local_rank}"
+
+
+def rank_device(name: str = "auto") -> torch.device:
+    """The device this process trains on, set as the current device before anything is loaded: ``name``
+    resolved (:func:`resolve_device`), then, under a launcher with several ranks (``WORLD_SIZE`` > 1), moved to
+    the rank's own accelerator (:func:`rank_device_name`). The policy, its reference and DeepSpeed's engine all
+    live on it."""
+    device = resolve_device(name)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_RANK")
+    if world <= 1 or local is None or device.type == "cpu":
+        return device
+    module = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    device = torch.device(rank_device_name(str(device), int(local), world, module.device_count()))
+    module.set_device(device)
+    return device
 
 
 def distributed_backend(device: torch.device) -> str:

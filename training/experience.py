@@ -64,8 +64,9 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Experience:
 
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: float, micro_batch: int = 8,
-                      precision: str = "fp32") -> torch.Tensor:
-    """Per-token log-probs of ``exp.input_ids`` under ``model`` (no grad), in micro-batches."""
+                      precision: str = "fp32", chunk: int | None = None) -> torch.Tensor:
+    """Per-token log-probs of ``exp.input_ids`` under ``model`` (no grad), in micro-batches (``chunk``: the
+    vocabulary projection so many positions at a time, see :func:`training.losses.policy_forward`)."""
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(exp), micro_batch):
@@ -73,7 +74,8 @@ def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: floa
         attn = exp.attention_mask[start:start + micro_batch].to(device)
         mask = exp.mask[start:start + micro_batch].to(device)
         with autocast(device, precision):
-            out.append(policy_forward(model, ids, attn, mask, temperature, entropy=False)[0].cpu())
+            out.append(policy_forward(model, ids, attn, mask, temperature, entropy=False, chunk=chunk,
+                                      head=model.get_output_embeddings() if chunk else None)[0].cpu())
     return torch.cat(out)
 
 

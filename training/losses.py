@@ -123,22 +123,47 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 def policy_forward(forward: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   mask: torch.Tensor, temperature: float = 1.0, entropy: bool = True, entropy_grad: bool = True
+                   mask: torch.Tensor, temperature: float = 1.0, entropy: bool = True, entropy_grad: bool = True,
+                   chunk: int | None = None, head: torch.nn.Module | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs, entropies) of shape [B, T], computing logits only from the first agent token on.
 
     The prompt before the first agent token of the batch is never trained, so its vocabulary projection
     is skipped (``logits_to_keep``), as TRL does for completions; positions before it are 0. Without an
     entropy bonus (``entropy_grad`` False) the entropy is computed for the metric only, without a graph.
+
+    ``chunk``: the vocabulary projection ``head`` (the model's output embeddings), the log-probs and the entropy
+    are computed ``chunk`` positions at a time from the final hidden states, each chunk recomputed in the backward
+    pass instead of kept: a long context's [T, vocabulary] logits (and their float32 copies, the log-softmax and
+    its exponential the entropy keeps) never exist whole, only one chunk's at a time. The same values (within
+    float rounding of the chunked matmul) and gradients.
     """
     agent = mask.bool().any(dim=0).nonzero()
     first = int(agent[0]) if len(agent) else input_ids.shape[1] - 1
     first = max(first, 1)
+    if chunk is not None:
+        if head is None:
+            raise ValueError("chunked log-probs need the model's output embeddings (head)")
+        out = forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False,
+                      output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, first - 1:-1]  # the final (normed) states that predict tokens first..T-1
+        pieces = [_head_chunk(head, hidden[:, s:s + chunk], input_ids[:, first + s:first + s + chunk], temperature,
+                              entropy, entropy_grad) for s in range(0, hidden.shape[1], chunk)]
+        logprobs = torch.nn.functional.pad(torch.cat([p[0] for p in pieces], dim=1), (first, 0))
+        if not entropy:
+            return logprobs, None
+        return logprobs, torch.nn.functional.pad(torch.cat([p[1] for p in pieces], dim=1), (first, 0))
     keep = input_ids.shape[1] - first + 1
     logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False).logits
     logits = logits[:, :-1].float() / temperature
+    return _picked_and_entropy(logits, input_ids[:, first:], first, entropy, entropy_grad)
+
+
+def _picked_and_entropy(logits: torch.Tensor, targets: torch.Tensor, first: int, entropy: bool, entropy_grad: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` and (when asked) the entropies from float32 ``logits``, left-padded by ``first``."""
     # gather - logsumexp: the backward never materialises a full log-softmax (TRL's selective_log_softmax)
-    picked = logits.gather(-1, input_ids[:, first:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     logprobs = torch.nn.functional.pad(picked, (first, 0))
     if not entropy:
         return logprobs, None
@@ -146,3 +171,19 @@ def policy_forward(forward: Callable[..., Any], input_ids: torch.Tensor, attenti
         logp = torch.log_softmax(logits if entropy_grad else logits.detach(), dim=-1)
         ent = -(logp.exp() * logp).sum(-1)
     return logprobs, torch.nn.functional.pad(ent, (first, 0))
+
+
+def _head_chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of :func:`policy_forward`'s chunked path: (log-probs, entropies or zeros) of its positions; with
+    a graph, checkpointed (its logits recomputed in the backward pass, not kept)."""
+    def run(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(states).float() / temperature
+        picked, ent = _picked_and_entropy(logits, targets, 0, entropy, entropy_grad)
+        return picked, ent if ent is not None else torch.zeros_like(picked)
+
+    if not torch.is_grad_enabled():
+        return run(hidden)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(run, hidden, use_reentrant=False)

@@ -98,7 +98,7 @@ class DeepSpeedStrategy:
     """DeepSpeed's engine with ZeRO; gradients are averaged over ranks (data parallel)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                 zero_stage: int = 2, micro_batch_size: int = 1) -> None:
+                 zero_stage: int = 2, micro_batch_size: int = 1, device: torch.device | None = None) -> None:
         import deepspeed
         import torch.distributed as dist
 
@@ -111,8 +111,11 @@ class DeepSpeedStrategy:
             "zero_optimization": {"stage": zero_stage},
             "zero_allow_untested_optimizer": True,
         }
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        if not dist.is_initialized():  # gloo on CPU ranks, NCCL on CUDA, HCCL on Ascend: the ranks' own device's
+            from training.devices import distributed_backend
+
+            device = device if device is not None else next(model.parameters()).device
+            deepspeed.init_distributed(dist_backend=distributed_backend(device))
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.model = self.engine.module
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -200,10 +203,17 @@ def exit_rank(code: int = 0) -> None:
 
 
 def make_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                 zero_stage: int = 2, micro_batch_size: int = 1) -> Strategy:
-    """The strategy called ``name`` (torch or deepspeed)."""
+                 zero_stage: int = 2, micro_batch_size: int = 1, device: torch.device | None = None) -> Strategy:
+    """The strategy called ``name`` (torch or deepspeed). The single-process torch strategy is refused under a
+    launcher with several ranks (``WORLD_SIZE`` > 1): each rank would train its own copy apart, none averaging
+    its gradients with the others."""
     if name == "torch":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            raise ValueError(f"strategy torch trains in one process, but {world} ranks were launched "
+                             f"(SCALINGINTER_NPROC / torchrun): set train.strategy deepspeed (--set strategy=deepspeed) "
+                             "or SCALINGINTER_NPROC=1")
         return TorchStrategy(model, optimizer, grad_clip)
     if name == "deepspeed":
-        return DeepSpeedStrategy(model, optimizer, grad_clip, zero_stage, micro_batch_size)
+        return DeepSpeedStrategy(model, optimizer, grad_clip, zero_stage, micro_batch_size, device)
     raise ValueError(f"unknown strategy {name!r}: choose torch or deepspeed")

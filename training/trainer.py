@@ -47,7 +47,7 @@ from training.config import PolicyServerConfig, TrainConfig, mixed_envs
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
-from training.devices import autocast, distributed_backend, resolve_device
+from training.devices import autocast, distributed_backend, rank_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, experience_stats, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
@@ -100,7 +100,7 @@ class PhaseTrainer:
         manifest = read_manifest(source, verify=True) if (source / MANIFEST).exists() else None
         state_dir = state_folder(source)  # beside an exported checkpoint, inside an intermediate one
         state = _load_state(state_dir / STATE) if (state_dir / STATE).exists() else {}
-        self.device = resolve_device(config.device)
+        self.device = rank_device(config.device)  # under several ranks, each its own (LOCAL_RANK), set before loading
         if config.lora is None:
             self.model, self.tokenizer = load_policy(source, self.device)
         else:  # adapters on the phase's starting weights; a resume loads the adapters it had trained
@@ -109,6 +109,8 @@ class PhaseTrainer:
             self.model = with_lora(self.model, config.lora)
             if resume is not None:
                 load_adapter(self.model, resume, (manifest or {}).get("lora", {}).get("adapter_sha256"))
+        if config.gradient_checkpointing:  # activations recomputed in backward (training forwards only)
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.reference_path = Path(state.get("reference", init_checkpoint))
         self.reference = None
         if config.kl_coef:
@@ -116,7 +118,7 @@ class PhaseTrainer:
         optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
                                       weight_decay=config.weight_decay)
         self.strategy = make_strategy(config.strategy, self.model, optimizer, config.grad_clip, config.zero_stage,
-                                    config.micro_batch_size)
+                                      config.micro_batch_size, self.device)
         self.optimizer = self.strategy.optimizer
         if self.strategy.load_optimizer_state(state_dir, _load_state):
             for group in self.optimizer.param_groups:
@@ -474,12 +476,13 @@ class PhaseTrainer:
     def prepare(self, exp: Experience) -> Experience:
         cfg = self.config
         if cfg.old_logprobs == "recompute":
-            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size, cfg.precision)
+            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size, cfg.precision,
+                                                 cfg.logprob_chunk)
         else:
             exp.old_logprobs = exp.sampler_logprobs
         if self.reference is not None:
             exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size,
-                                                  cfg.precision)
+                                                  cfg.precision, cfg.logprob_chunk)
             if cfg.kl_in_reward:
                 exp.rewards = exp.rewards - cfg.kl_coef * (exp.old_logprobs - exp.ref_logprobs) * exp.mask
         values = None
@@ -518,7 +521,8 @@ class PhaseTrainer:
             mask = micro.mask.to(self.device)
             with autocast(self.device, cfg.precision):
                 logprobs, entropy = policy_forward(self.strategy.forward, ids, micro.attention_mask.to(self.device),
-                                                   mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0)
+                                                   mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0,
+                                                   chunk=cfg.logprob_chunk, head=self.model.get_output_embeddings())
             loss = actor_loss(
                 logprobs, micro.old_logprobs.to(self.device),
                 micro.advantages.to(self.device), mask, clip=cfg.clip,
