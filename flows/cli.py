@@ -281,7 +281,9 @@ def train_phase_cmd(
     from training.strategy import exit_rank
 
     envs = _check_envs(env)
-    nproc = int(os.environ.get("SCALINGINTER_NPROC", "1"))
+    from training.devices import training_ranks
+
+    nproc = training_ranks()
     if nproc > 1 and "LOCAL_RANK" not in os.environ:  # one process per device: relaunch under torchrun
         import subprocess
         import sys
@@ -303,6 +305,49 @@ def train_phase_cmd(
     final = run_phase(spec, url, progress=True, policy_url=policy_url)
     console.print(f"phase {phase} (h={h}) done: {final}")
     exit_rank()  # under torchrun: every rank leaves its process group and ends before the interpreter's shutdown
+
+
+@app.command("check")
+def check_cmd(
+    env: EnvArg,
+    profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
+    pool: Annotated[str, typer.Option(help="where the run would go: here (this machine, as torch sees it) or a "
+                                           "described pool (a100-80gb-x8, ascend-910b-x8)")] = "here",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="TrainConfig field=value, as train-phase takes "
+                                                                  "(repeatable)")] = None,
+    nproc: Annotated[int | None, typer.Option(help="training processes per node (default: SCALINGINTER_NPROC "
+                                                   "here, one per device on a described pool)")] = None,
+    model: Annotated[str | None, typer.Option(help="a preset or model folder (default: params.yaml model.preset)")]
+    = None,
+) -> None:
+    """Will ENV's run fit its machines? Checks the context against the model's positions, the environment servers'
+    capacity against the concurrent episodes, ranks against devices, an estimate of per-device memory and the
+    installed versions, from the settings and the model's config.json alone (nothing loaded, nothing started).
+    Exit 1 when a check fails; each failure names the setting to change and a value that would pass."""
+    from training.config import ConfigError
+    from training.devices import DeviceError
+    from training.preflight import plan, preflight
+
+    _check_envs(env)
+    try:
+        run = plan(env, profile or _profile(), pool, _pairs(set_ or []), nproc, model)
+        findings = preflight(run)
+    except (ConfigError, DeviceError, ValueError) as err:
+        _fail(str(err))
+    for finding in findings:
+        console.print(str(finding), style="green" if finding.ok else "red", markup=False, highlight=False,
+                      soft_wrap=True)
+    failed = sum(not f.ok for f in findings)
+    console.print(f"{env} ({run.profile}) on {run.pool.name}: " + (f"{failed} check(s) failed" if failed else "fits"),
+                  soft_wrap=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _profile() -> str:
+    from training.config import load_params
+
+    return str(load_params().get("curriculum", {}).get("profile", "smoke"))
 
 
 @app.command("warm-stage")

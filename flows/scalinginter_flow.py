@@ -55,6 +55,7 @@ from training.config import (
 )
 from training.evaluate import closing_line
 from training.layout import Run
+from training.preflight import plan, require
 from training.warm import pipeline_stages
 
 
@@ -107,6 +108,9 @@ holds the working copy (a second fails at once, naming the holder)."""
         if env not in params.get("pipeline", {}).get("envs", []):
             raise ConfigError(f"{env} is not in params.yaml pipeline.envs: add it (or pass overrides "
                               f"{{'pipeline.envs': [...]}})")
+        # the preflight, on this machine: a run that cannot fit it is refused before any stage runs
+        for finding in require(plan(env, profile, "here", params=params)):
+            print(f"preflight {finding}")
         for path in write_pipeline(root):
             print(f"regenerated {path.name} from params.yaml")
         return _run(env, profile, params, record, push, env_urls)

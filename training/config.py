@@ -360,6 +360,10 @@ class PolicyServerConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="servers of the policy side by side (data parallel, as OpenRLHF's "
                           "vllm_num_engines): each on its own GPU (NPU), or on a CPU its own share of the cores; "
                           "requests go to the least busy, every weight sync reaches them all")
+    placement: Literal["shared", "own"] = Field(
+        "shared", description="where a GPU/NPU server runs: `shared` on the training ranks' devices (the first "
+        "replicas' share gpu_memory_utilization of a rank's device), `own` on devices of its own after the ranks' "
+        "(SCALINGINTER_NPROC ranks on devices 0..N-1, the replicas on N, N+1 ...); no effect on a CPU")
     weight_transfer: Literal["disk", "collective"] = Field(
         "disk", description="how a weight sync reaches the server: `disk` saves a checkpoint folder it loads in "
         "place (a file system both see); `collective` broadcasts the tensors over a process group of the trainer "

@@ -99,12 +99,25 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def replica_placement(index: int, count: int) -> tuple[list[int] | None, dict[str, str]]:
+#: a work pool's job variable: training processes per node (> 1: torchrun, one rank per device)
+NPROC_VAR = "SCALINGINTER_NPROC"
+
+
+def training_ranks() -> int:
+    """Training processes per node the work pool asks for (``SCALINGINTER_NPROC``, default 1): the one reader."""
+    value = os.environ.get(NPROC_VAR, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise DeviceError(f"{NPROC_VAR}={value!r}: give the number of training processes per node (1 or more)")
+    return int(value)
+
+
+def replica_placement(index: int, count: int, offset: int = 0) -> tuple[list[int] | None, dict[str, str]]:
     """Where replica ``index`` of ``count`` side-by-side servers runs: (the CPU cores to pin it to, or None; the
     environment variables that give it its own accelerator). On a CUDA or Ascend machine each replica takes one
-    visible device (the ``index``-th of those this process sees); on a CPU each takes an even share of this
-    process's cores, its threads capped to them. One replica: None and nothing (the server's own defaults)."""
-    if count == 1:
+    visible device (the ``offset + index``-th of those this process sees: ``offset`` devices are the training
+    ranks', see ``policy_server.placement``); on a CPU each takes an even share of this process's cores, its
+    threads capped to them. One replica and no offset: None and nothing (the server's own defaults)."""
+    if count == 1 and offset == 0:
         return None, {}
     device = resolve_device("auto")
     if device.type in ("cuda", "npu"):
@@ -112,9 +125,12 @@ def replica_placement(index: int, count: int) -> tuple[list[int] | None, dict[st
         visible = os.environ.get(var)
         devices = visible.split(",") if visible else [str(i) for i in range(
             torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count())]  # type: ignore[attr-defined]
-        if count > len(devices):
-            raise ValueError(f"{count} policy server replicas need {count} devices; {len(devices)} are visible")
-        return None, {var: devices[index]}
+        if offset + count > len(devices):
+            raise ValueError(f"{count} policy server replicas after {offset} training ranks' devices need "
+                             f"{offset + count} devices; {len(devices)} are visible")
+        return None, {var: devices[offset + index]}
+    if count == 1:
+        return None, {}
     cores = sorted(os.sched_getaffinity(0))
     if count > len(cores):
         raise ValueError(f"{count} policy server replicas need a CPU core each; this process may use {len(cores)}")

@@ -211,8 +211,8 @@ def make_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Opti
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
             raise ValueError(f"strategy torch trains in one process, but {world} ranks were launched "
-                             f"(SCALINGINTER_NPROC / torchrun): set train.strategy deepspeed (--set strategy=deepspeed) "
-                             "or SCALINGINTER_NPROC=1")
+                             "(SCALINGINTER_NPROC / torchrun): set train.strategy deepspeed "
+                             "(--set strategy=deepspeed) or SCALINGINTER_NPROC=1")
         return TorchStrategy(model, optimizer, grad_clip)
     if name == "deepspeed":
         return DeepSpeedStrategy(model, optimizer, grad_clip, zero_stage, micro_batch_size, device)

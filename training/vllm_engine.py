@@ -49,7 +49,7 @@ from envs.launcher import ROOT, PortTaken, free_port, wait_healthy
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
 from training.config import PolicyServerConfig
-from training.devices import replica_placement, resolve_device
+from training.devices import replica_placement, resolve_device, training_ranks
 from training.engine import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
         raise EngineError(f"{model_dir} is not a model folder (no config.json): build it first "
                           "(`scalinginter build-model`, or `dvc repro build_model`)")
     try:
-        cores, placed = replica_placement(replica, config.replicas)
+        offset = training_ranks() if config.placement == "own" else 0  # own: the devices after the ranks'
+        cores, placed = replica_placement(replica, config.replicas, offset)
     except ValueError as err:
         raise EngineError(f"policy_server.replicas: {err}") from err
     for attempt in range(1, PORT_ATTEMPTS + 1):
