@@ -264,7 +264,8 @@ def train_phase_cmd(
 
     Settings: params.yaml ``train.<profile>`` (and its per-environment overrides), then ``--set``; the server it
     starts when no URL is given: ``env_server``. Machine placement only from the environment:
-    SCALINGINTER_DEVICE (cpu, cuda, npu ...) and SCALINGINTER_NPROC (> 1 relaunches under torchrun)."""
+    SCALINGINTER_DEVICE (cpu, cuda, npu ...), SCALINGINTER_NPROC (> 1 relaunches under torchrun) and, across
+    machines, SCALINGINTER_NNODES with SCALINGINTER_RDZV_ENDPOINT (the same command on every node)."""
     from pathlib import Path
 
     from training.config import (
@@ -281,15 +282,17 @@ def train_phase_cmd(
     from training.strategy import exit_rank
 
     envs = _check_envs(env)
-    from training.devices import training_ranks
+    from training.devices import DeviceError, launcher_args
 
-    nproc = training_ranks()
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # one process per device: relaunch under torchrun
+    try:
+        launch = launcher_args()
+    except DeviceError as err:
+        _fail(str(err))
+    if launch and "LOCAL_RANK" not in os.environ:  # one process per device (and node): relaunch under torchrun
         import subprocess
         import sys
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "flows.cli", *sys.argv[1:]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "flows.cli", *sys.argv[1:]]
         raise typer.Exit(subprocess.call(cmd))
     try:
         overrides = _pairs(set_ or [])

@@ -56,14 +56,14 @@ def run_stage(root: Path, stage: str, url: str | None = None, work: Callable[[],
     stage that needs no server: the base model, the report)."""
     from dvc.repo import Repo
 
-    from training.devices import training_ranks
+    from training.devices import launcher_args
 
     with Repo(str(root)) as repo:
         stale = set(repo.status(targets=[stage], with_deps=True))
         if not stale:
             return "skipped"
         (target,) = repo.stage.collect(stage)
-        in_process = (work is not None and stale == {stage} and training_ranks() <= 1
+        in_process = (work is not None and stale == {stage} and not launcher_args()
                       and os.environ.get("SCALINGINTER_STAGE_SUBPROCESS") != "1")
         if not in_process:
             output = run_command(["dvc", "repro", stage], root, server_env(url, policy_url))

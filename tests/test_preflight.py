@@ -122,6 +122,22 @@ def test_each_rank_gets_its_own_device_and_the_torch_strategy_refuses_several(mo
     assert rank_device_name("cpu", 1, 2) == "cpu"
     with pytest.raises(DeviceError, match="SCALINGINTER_NPROC to at most 2"):
         rank_device_name("cuda", 2, 4, 2)
+    # the launcher: alone, one node of ranks, or nodes meeting at a rendezvous (which must be given)
+    from training.devices import launcher_args
+
+    assert launcher_args() == []
+    monkeypatch.setenv("SCALINGINTER_NPROC", "8")
+    assert launcher_args() == ["--standalone", "--nproc_per_node", "8"]
+    monkeypatch.setenv("SCALINGINTER_NNODES", "2")
+    with pytest.raises(DeviceError, match="needs SCALINGINTER_RDZV_ENDPOINT=host:port"):
+        launcher_args()
+    monkeypatch.setenv("SCALINGINTER_RDZV_ENDPOINT", "head:29400")
+    assert launcher_args()[:6] == ["--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d"]
+    monkeypatch.setenv("SCALINGINTER_NNODES", "0")
+    with pytest.raises(DeviceError, match="SCALINGINTER_NNODES='0'"):
+        launcher_args()
+    for var in ("SCALINGINTER_NPROC", "SCALINGINTER_NNODES", "SCALINGINTER_RDZV_ENDPOINT"):
+        monkeypatch.delenv(var)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rank_device("cpu") == torch.device("cpu")  # CPU ranks share the host

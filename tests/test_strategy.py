@@ -115,6 +115,32 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     assert {"state/optimizer_rank0.pt", "state/optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
     assert manifest["global_step"] == 2 and manifest["config"]["strategy"] == "deepspeed"
     assert not list(out.glob(".tmp-*"))  # no staging folder left behind
+    # the same phase across two "nodes" on localhost (one rank each, torchrun's c10d rendezvous, two launches of the
+    # same command, as on two machines) trains the same weights as one node of two ranks
+    import socket
+
+    import torch
+    from safetensors.torch import load_file
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = tmp_path / "two-nodes"
+    two = [c if c != str(out) else str(nodes) for c in cmd]
+    node_env = {**env, "SCALINGINTER_NPROC": "1", "SCALINGINTER_NNODES": "2",
+                "SCALINGINTER_RDZV_ENDPOINT": f"127.0.0.1:{port}", "SCALINGINTER_RDZV_ID": "two-nodes"}
+    launches = [subprocess.Popen(two, cwd=ROOT, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
+    for launch in launches:
+        _, err = launch.communicate(timeout=600)
+        assert launch.returncode == 0, err[-3000:]
+    one_node = load_file(out / "final" / "model.safetensors")
+    two_nodes = load_file(nodes / "final" / "model.safetensors")
+    assert one_node.keys() == two_nodes.keys()
+    assert all(torch.equal(one_node[k], two_nodes[k]) for k in one_node)
+    two_manifest = read_manifest(nodes / "final", verify=True)
+    assert two_manifest["global_step"] == 2  # and two ranks, one per node, each its ZeRO partition:
+    assert {"state/optimizer_rank0.pt", "state/optimizer_rank1.pt"} <= set(two_manifest["files"])
     # the next phase loads each rank's ZeRO optimizer state (weights_only, with DeepSpeed's own state classes)
     nxt = tmp_path / "next"
     cmd[cmd.index("--init") + 1], cmd[cmd.index("--out") + 1] = str(out / "final"), str(nxt)

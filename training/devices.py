@@ -111,6 +111,37 @@ def training_ranks() -> int:
     return int(value)
 
 
+#: a work pool's job variables for a phase across machines: how many nodes, and the rendezvous (host:port) they meet
+NNODES_VAR = "SCALINGINTER_NNODES"
+RDZV_VAR = "SCALINGINTER_RDZV_ENDPOINT"
+
+
+def training_nodes() -> int:
+    """Nodes one phase trains across (``SCALINGINTER_NNODES``, default 1): the one reader."""
+    value = os.environ.get(NNODES_VAR, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise DeviceError(f"{NNODES_VAR}={value!r}: give the number of nodes one phase trains across (1 or more)")
+    return int(value)
+
+
+def launcher_args() -> list[str]:
+    """torchrun's arguments for this node, or ``[]`` when one process trains alone (one node, one rank): on one
+    node ``--standalone``; across ``SCALINGINTER_NNODES`` nodes, c10d rendezvous at ``SCALINGINTER_RDZV_ENDPOINT``
+    (the same host:port on every node, reachable from all; ``SCALINGINTER_RDZV_ID`` tells runs apart), each node
+    started with the same command. Every node must see the same run folder (shared storage): rank 0 writes the
+    checkpoint and each rank its ZeRO partition."""
+    nproc, nodes = training_ranks(), training_nodes()
+    if nodes == 1:
+        return [] if nproc == 1 else ["--standalone", "--nproc_per_node", str(nproc)]
+    endpoint = os.environ.get(RDZV_VAR, "")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise DeviceError(f"{NNODES_VAR}={nodes} needs {RDZV_VAR}=host:port, the rendezvous every node reaches "
+                          f"(got {endpoint!r})")
+    return ["--nnodes", str(nodes), "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", endpoint, "--rdzv_id", os.environ.get("SCALINGINTER_RDZV_ID", "scalinginter")]
+
+
 def replica_placement(index: int, count: int, offset: int = 0) -> tuple[list[int] | None, dict[str, str]]:
     """Where replica ``index`` of ``count`` side-by-side servers runs: (the CPU cores to pin it to, or None; the
     environment variables that give it its own accelerator). On a CUDA or Ascend machine each replica takes one

@@ -68,20 +68,23 @@ POOLS: dict[str, Pool] = {
 
 
 def here() -> Pool:
-    """This machine, as torch sees it: its CUDA devices, else its Ascend NPUs, else its CPU and RAM."""
+    """This machine, as torch sees it: its CUDA devices, else its Ascend NPUs, else its CPU and RAM; as many nodes
+    of it as ``SCALINGINTER_NNODES`` says."""
     import torch
 
-    from training.devices import npu_available
+    from training.devices import npu_available, training_nodes
+
+    nodes = training_nodes()
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        return Pool(name="here", kind="cuda", devices=count,
+        return Pool(name="here", kind="cuda", devices=count, nodes=nodes,
                     memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB)
     if npu_available():
         count = torch.npu.device_count()  # type: ignore[attr-defined]
-        return Pool(name="here", kind="npu", devices=count,
+        return Pool(name="here", kind="npu", devices=count, nodes=nodes,
                     memory_gib=torch.npu.get_device_properties(0).total_memory / GIB)  # type: ignore[attr-defined]
-    return Pool(name="here", kind="cpu", devices=1,
+    return Pool(name="here", kind="cpu", devices=1, nodes=nodes,
                 memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
 
 
