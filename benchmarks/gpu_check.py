@@ -7,7 +7,7 @@ project's engine and loss code, not its environment servers.
 Each step: 64 prompts x 128 new tokens sampled with ``HFEngine`` (the rollout's engine), then a GRPO-style update
 (PPO-clip loss with the project's ``policy_forward`` / ``actor_loss``, AdamW, bf16 autocast, float32 weights)
 over the sampled sequences in micro-batches of 8. Prints one JSON line: generation tokens/s, training tokens/s,
-peak memory, and the device.
+peak memory, the preflight's estimate of it for the same shape and settings (by part), and the device.
 """
 
 from __future__ import annotations
@@ -29,6 +29,25 @@ SHAPES = {  # Qwen2.5-0.5B's shape; a tiny one for a CPU smoke test of this scri
     "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4},
 }
+
+
+def training_estimate(config: dict, device: torch.device, args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    """The preflight's memory estimate (``training.preflight.memory_estimate``) for this check's training: one
+    process, float32 weights and AdamW, bf16 autocast, micro-batches of prompt + new tokens, an entropy term, no
+    reference; printed beside the measured peak, so a GPU run says how far the estimate is off. Returns the
+    weights the preflight counts for the shape, and the estimate by part (GiB)."""
+    from training.config import EvalConfig, PolicyServerConfig, TrainConfig
+    from training.preflight import ModelShape, Plan, Pool, memory_estimate
+
+    train = TrainConfig(micro_batch_size=args.micro_batch, context_budget=max(16, args.prompt_tokens),
+                        max_new_tokens=args.new_tokens, precision="bf16", kl_coef=0.0, entropy_coef=1e-3)
+    memory = (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 1.0)
+    pool = Pool(name="here", kind=device.type if device.type in ("cuda", "npu") else "cpu", devices=1,
+                memory_gib=memory)
+    shape = ModelShape.from_config(config, "gpu_check")
+    return shape.parameters, memory_estimate(Plan(env="gpu_check", profile="gpu_check", train=train,
+                                                  evaluation=EvalConfig(), servers={},
+                                                  policy_server=PolicyServerConfig(), model=shape, nproc=1, pool=pool))
 
 
 def main() -> None:
@@ -103,12 +122,15 @@ def main() -> None:
             torch.cuda.synchronize(device)
         train_s += time.perf_counter() - started if step else 0.0
         train_tokens += int(attention.sum()) if step else 0
+    counted, estimate = training_estimate(config.to_dict(), device, args)
     out = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
            "parameters": sum(p.numel() for p in model.parameters()), "steps_timed": args.steps - 1,
            "generation_tokens_per_s": round(gen_tokens / max(gen_s, 1e-9), 1),
            "training_tokens_per_s": round(train_tokens / max(train_s, 1e-9), 1),
            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda"
-           else None, "torch": torch.__version__}
+           else None, "preflight_parameters": counted,
+           "preflight_estimate_gib": round(sum(estimate.values()), 2),
+           "preflight_parts_gib": {k: round(v, 3) for k, v in estimate.items() if v}, "torch": torch.__version__}
     print(json.dumps(out))
 
 

@@ -159,3 +159,6 @@ def test_the_gpu_check_script_runs_a_step_and_reports_its_figures() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["device"] == "cpu" and out["generation_tokens_per_s"] > 0 and out["training_tokens_per_s"] > 0
+    # the preflight's estimate is printed beside the peak, and it counts the model's weights exactly
+    assert out["preflight_parameters"] == out["parameters"]
+    assert out["preflight_estimate_gib"] >= 0 and {"policy", "optimizer"} <= set(out["preflight_parts_gib"])

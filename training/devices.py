@@ -81,6 +81,15 @@ def rank_device(name: str = "auto") -> torch.device:
     return device
 
 
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most memory torch has held on an accelerator ``device`` since the process started (GiB); None on the
+    CPU, which has no such counter."""
+    if device.type not in ("cuda", "npu"):
+        return None
+    module = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    return float(module.max_memory_allocated(device)) / 2**30
+
+
 def distributed_backend(device: torch.device) -> str:
     """The torch.distributed backend for a device: nccl (cuda), hccl (npu), gloo (cpu)."""
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")

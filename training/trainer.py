@@ -47,7 +47,7 @@ from training.config import PolicyServerConfig, TrainConfig, mixed_envs
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
-from training.devices import autocast, distributed_backend, rank_device
+from training.devices import autocast, distributed_backend, peak_memory_gib, rank_device
 from training.engine import HFEngine, PolicyEngine
 from training.experience import Experience, collate, estimate_advantages, experience_stats, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
@@ -390,8 +390,10 @@ class PhaseTrainer:
         t3 = time.perf_counter()
         trained = int(exp.mask.sum()) * cfg.ppo_epochs
         self.ledger.trained_tokens += trained
+        peak = peak_memory_gib(self.device)  # on an accelerator: what the preflight's estimate is checked against
         return stats | {"timing_s/gen": t1 - t0, "timing_s/prep": t2 - t1, "timing_s/update": t3 - t2,
-                        "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups}
+                        "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups,
+                        **({"perf/peak_memory_gib": peak} if peak is not None else {})}
 
     def _served(self) -> dict[str, Any]:
         """The weight version the vLLM server holds now, for the rollout log (nothing with the hf engine)."""
