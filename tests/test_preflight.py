@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
@@ -153,3 +154,42 @@ def test_each_rank_gets_its_own_device_and_the_torch_strategy_refuses_several(mo
     assert replica_placement(1, 2, offset=6) == (None, {"CUDA_VISIBLE_DEVICES": "7"})
     with pytest.raises(ValueError, match="need 9 devices; 8 are visible"):
         replica_placement(0, 2, offset=7)
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+import training.devices as devices
+
+# a simulated node of 2 CUDA devices: the device module's counters and set_device stand in for the driver's
+chosen = []
+torch.cuda.device_count = lambda: 2
+torch.cuda.set_device = lambda device: chosen.append(str(device))
+devices.resolve_device = lambda name="auto": torch.device("cuda")
+device = devices.rank_device("cuda")
+dist.init_process_group("gloo")
+row = {"rank": dist.get_rank(), "local_rank": int(os.environ["LOCAL_RANK"]), "device": str(device), "set": chosen,
+       "backend": devices.distributed_backend(device)}
+rows = [None, None]
+dist.all_gather_object(rows, row)
+if dist.get_rank() == 0:
+    print(json.dumps(rows))
+dist.destroy_process_group()
+"""
+
+
+def test_two_torchrun_ranks_on_a_simulated_device_list_each_take_their_own(tmp_path) -> None:
+    """Under torchrun each rank sets its own device from LOCAL_RANK before anything is loaded (the trainer loads
+    the policy and its reference onto that device, and DeepSpeed's engine uses it): rank 0 -> cuda:0, rank 1 ->
+    cuda:1, never both on device 0; the device's collective backend is NCCL."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["local_rank"], r["device"], r["set"]) for r in rows] == [(0, "cuda:0", ["cuda:0"]),
+                                                                       (1, "cuda:1", ["cuda:1"])]
+    assert {r["backend"] for r in rows} == {"nccl"}
