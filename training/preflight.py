@@ -382,7 +382,7 @@ def check_memory(p: Plan) -> list[Finding]:
     if "vllm" in parts:
         hint += (f"; or lower policy_server.gpu_memory_utilization ({p.policy_server.gpu_memory_utilization}), "
                  "or give the policy server devices of its own (policy_server.placement: own)")
-    findings.append(Finding("memory", False, f"about {total:.1f} GiB per device, above the {device:.1f} GiB of a "
+    findings.append(Finding("memory", False, f"about {total:.1f} GiB per device, above the {device:.1f} GiB of one "
                             f"{p.pool.name} device ({_count(p.model.parameters)} parameters; GiB: {detail}): "
                             f"{hint}"))
     return findings
