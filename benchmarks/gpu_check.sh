@@ -7,11 +7,12 @@
 #     scratch clone: `scalinginter check` on this machine, then the BabyAI smoke curriculum in bf16 as a Prefect
 #     flow (three phases, each resuming from the last one's checkpoint, the evaluation and the report), then
 #     each phase's peak device memory and tokens/s from its dvclive metrics. Skipped, saying so, without .venv.
-# DEVICE (default cuda) and STEPS (default 4) may be set; extra arguments go to gpu_check.py.
+# DEVICE (default cuda), STEPS (default 4) and PYTHON may be set; extra arguments go to gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE="${DEVICE:-cuda}"
-python benchmarks/gpu_check.py --device "$DEVICE" --steps "${STEPS:-4}" "$@"
+PY="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"  # the project's, else the image's
+"$PY" benchmarks/gpu_check.py --device "$DEVICE" --steps "${STEPS:-4}" "$@"
 if [ ! -x .venv/bin/scalinginter ]; then
   echo '{"flow": "skipped: no .venv here (run make install first)"}'
   exit 0
