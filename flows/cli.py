@@ -673,12 +673,21 @@ def lineage(env: EnvArg) -> None:
         records, problems, revision = read_lineage(env, project_root())
     except (FileNotFoundError, LookupError) as err:
         _fail(str(err))
-    table = Table("stage", "h", "steps", "trained", "algorithm", "parent", "own hash", "reward/mean",
-                  "success/rate", "wall s", title=f"{env} lineage (dvc.lock at git {revision})")
+    from rich import box
+
+    # whole in an 80-column terminal: the env in the title, not in every stage name; 8-character hashes (as git's
+    # short ones); the free-text column (what a stage trained, the guard's trips) wraps, the others never do
+    table = Table(title=f"{env} lineage (dvc.lock at git {revision})", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0),
+                  caption="reward: mean training reward, success: training success rate, of the last step")
+    for name in ("stage", "h", "steps", "algo", "parent", "hash", "reward", "success", "wall s"):
+        table.add_column(name, no_wrap=True, justify="right" if name in ("h", "steps", "wall s") else "left")
+    table.add_column("trained", overflow="fold", min_width=7)
     for r in records:
         fmt = {k: "-" if v is None else f"{v:.3f}" for k, v in r.metrics.items()}
-        table.add_row(r.stage, str(r.h), str(r.steps), r.trained, r.algorithm, r.parent[:12], r.own[:12],
-                      fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"), str(r.cost.get("wall_seconds", "-")))
+        wall = r.cost.get("wall_seconds")
+        table.add_row(r.stage.removeprefix(f"{env}_"), str(r.h), str(r.steps), r.algorithm, r.parent[:8], r.own[:8],
+                      fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"),
+                      "-" if wall is None else f"{float(wall):.0f}", r.trained)
     console.print(table)
     if problems:
         for problem in problems:

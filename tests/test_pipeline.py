@@ -136,7 +136,13 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     assert "babyai_phase_0" not in third and {"babyai_phase_1", "babyai_phase_2", "babyai_eval"} <= set(third)
     # lineage: dvc.lock and the checkpoints agree, and each phase's parent is the previous checkpoint
     table = _sh(work, "scalinginter", "lineage", "babyai")
-    assert "babyai_phase_2" in table and "disagreement" not in table
+    assert "babyai lineage" in table and "phase_2" in table and "disagreement" not in table
+    narrow = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "80"}
+    table = subprocess.run(["scalinginter", "lineage", "babyai"], cwd=work, env=narrow, capture_output=True,
+                           text=True, check=True).stdout
+    # whole in an 80-column terminal: every column's name and every hash, nothing cut to "…"
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80
+    assert all(name in table for name in ("stage", "steps", "algo", "parent", "hash", "reward", "success", "trained"))
     lock = (work / "dvc.lock").read_text()
     (work / "dvc.lock").write_text(lock.replace("h: 5", "h: 7", 1))  # phase 1's h after the change is 5
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "200"}
