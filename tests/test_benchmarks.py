@@ -41,3 +41,24 @@ def test_the_seed_and_item_interval_is_wider_than_the_items_alone_when_seeds_dis
     _, item_low, item_high = paired_difference_ci([0.0] * 200, pooled)
     assert low < item_low and high > item_high  # the seed spread is in the interval, not hidden by averaging
     assert seed_item_ci([[1.0] * 50]) == (1.0, 1.0, 1.0)
+
+
+def test_the_shipped_guard_trips_on_the_studys_collapse_and_on_none_of_its_healthy_runs() -> None:
+    """benchmarks/guard_replay.py feeds the curriculum study's logged steps through the guard as params.yaml ships
+    it: the one collapse (fixed h=20 seed 0, its context budget cutting 30 of 32 trajectories) trips it by the cut
+    share, a context-budget cut counting as a cut; the seven healthy runs do not; counting turn-cap cuts alone
+    (the guard before) misses the collapse."""
+    import json
+
+    from benchmarks.guard_replay import STUDY, replay, shipped_config, step_stats, table
+
+    rows = table(shipped_config())
+    assert len(rows) == 8
+    tripped = {r["run"]: r["trip"] for r in rows if r["trip"] is not None}
+    assert list(tripped) == ["fixed-20-s0"]
+    assert tripped["fixed-20-s0"]["signal"] == "rollout/truncated_share" and tripped["fixed-20-s0"]["step"] == 15
+    assert step_stats({"reward": 0.1, "done": 2, "context_cap": 30})["rollout/termination/context_cap"] == 30
+    collapse = json.loads((STUDY / "fixed-20-s0.json").read_text())["train"]["rows"]
+    turn_cap_only = [{k: v for k, v in r.items() if k != "context_cap"} | (
+        {"done": r.get("done", 0) + r.get("context_cap", 0)} if "reward" in r else {}) for r in collapse]
+    assert replay(turn_cap_only, shipped_config()) is None

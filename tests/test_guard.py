@@ -30,6 +30,7 @@ def _feed(guard: Guard, rows: list[dict[str, float]]):
     ({"actor/entropy": 0.05}, "actor/entropy"),
     ({"rollout/invalid_actions": 0.7}, "rollout/invalid_actions"),
     ({"rollout/termination/turn_cap": 7.0}, "rollout/truncated_share"),
+    ({"rollout/termination/context_cap": 7.0}, "rollout/truncated_share"),  # cut by the context budget: a cut too
     ({"reward/mean": 0.0}, "reward/mean (window)"),
 ])
 def test_each_signal_trips_at_its_threshold_and_not_below(change: dict, signal: str) -> None:

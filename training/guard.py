@@ -38,8 +38,9 @@ class GuardConfig(BaseModel):
                                             "share of its baseline")
     max_invalid_rise: float | None = Field(0.5, gt=0, le=1, description="trip when the share of malformed replies "
                                            "(rollout/invalid_actions) rises this far above its baseline")
-    max_truncated_rise: float | None = Field(0.5, gt=0, le=1, description="trip when the share of trajectories "
-                                             "cut off by the turn cap rises this far above its baseline")
+    max_truncated_rise: float | None = Field(0.43, gt=0, le=1, description="trip when the share of trajectories "
+                                             "cut off (by the turn cap, the context budget or the token budget) rises "
+                                             "this far above its baseline")
     max_reward_drop: float | None = Field(0.5, gt=0, description="trip when reward/mean, averaged over "
                                           "reward_window steps, falls this far below its best such average")
     reward_window: int = Field(3, ge=1)
@@ -47,6 +48,12 @@ class GuardConfig(BaseModel):
                                                      "learning rate times lr_factor, or end the phase there")
     lr_factor: float = Field(0.1, gt=0, lt=1)
     max_retries: int = Field(2, ge=0, description="lower_lr trips per phase; the next one ends the phase")
+
+
+#: how a trajectory can be cut short (training/trajectory.py TERMINATIONS): the turn cap, the context budget, the
+#: per-episode token budget. A collapse can show as context cuts alone (the curriculum study's fixed h=20 seed 0:
+#: its replies grew until the 2,048-token budget ended the episodes, while turn-cap cuts stayed flat)
+CUTS = ("turn_cap", "context_cap", "token_cap")
 
 
 class GuardEvent(BaseModel):
@@ -83,7 +90,8 @@ class Guard:
         valid = stats.get("rollout/trajectories", 0.0) - stats.get("env/errors", 0.0)
         row = {"kl": stats.get("actor/kl"), "grad_norm": stats.get("actor/grad_norm"),
                "entropy": stats.get("actor/entropy"), "invalid": stats.get("rollout/invalid_actions"),
-               "truncated": stats.get("rollout/termination/turn_cap", 0.0) / valid if valid > 0 else None,
+               "truncated": sum(stats.get(f"rollout/termination/{cut}", 0.0) for cut in CUTS) / valid
+               if valid > 0 else None,
                "reward": stats.get("reward/mean")}
         row = {k: float(v) for k, v in row.items() if v is not None and math.isfinite(float(v))}
         self.history.append(row)
