@@ -82,7 +82,9 @@ def main() -> None:
     print("|---|---|---|")
     for row in table(config):
         t = row["trip"]
-        trip = "none" if t is None else f"step {t['step']}: {t['signal']} {t['value']} > {t['threshold']}"
+        below = t is not None and t["signal"] in ("actor/entropy", "reward/mean (window)")  # a fall, not a rise
+        trip = "none" if t is None else (f"step {t['step']}: {t['signal']} {t['value']} {'<' if below else '>'} "
+                                         f"{t['threshold']}")
         print(f"| {row['run']} | {'collapse' if row['collapse'] else 'healthy'} | {trip} |")
 
 

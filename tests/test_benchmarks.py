@@ -46,8 +46,8 @@ def test_the_seed_and_item_interval_is_wider_than_the_items_alone_when_seeds_dis
 def test_the_shipped_guard_trips_on_the_studys_collapse_and_on_none_of_its_healthy_runs() -> None:
     """benchmarks/guard_replay.py feeds the curriculum study's logged steps through the guard as params.yaml ships
     it: the one collapse (fixed h=20 seed 0, its context budget cutting 30 of 32 trajectories) trips it by the cut
-    share, a context-budget cut counting as a cut; the seven healthy runs do not; counting turn-cap cuts alone
-    (the guard before) misses the collapse."""
+    share, a context-budget cut counting as a cut; the seven healthy runs do not; the guard before (turn-cap cuts
+    alone, a reward drop of 0.5) misses the collapse."""
     import json
 
     from benchmarks.guard_replay import STUDY, replay, shipped_config, step_stats, table
@@ -61,4 +61,7 @@ def test_the_shipped_guard_trips_on_the_studys_collapse_and_on_none_of_its_healt
     collapse = json.loads((STUDY / "fixed-20-s0.json").read_text())["train"]["rows"]
     turn_cap_only = [{k: v for k, v in r.items() if k != "context_cap"} | (
         {"done": r.get("done", 0) + r.get("context_cap", 0)} if "reward" in r else {}) for r in collapse]
-    assert replay(turn_cap_only, shipped_config()) is None
+    assert replay(turn_cap_only, shipped_config().model_copy(update={"max_reward_drop": 0.5})) is None
+    # the windowed reward's fall alone trips on the collapse too, and on no healthy run
+    reward_only = shipped_config().model_copy(update={"max_truncated_rise": None})
+    assert [r["run"] for r in table(reward_only) if r["trip"]] == ["fixed-20-s0"]

@@ -41,7 +41,7 @@ class GuardConfig(BaseModel):
     max_truncated_rise: float | None = Field(0.43, gt=0, le=1, description="trip when the share of trajectories "
                                              "cut off (by the turn cap, the context budget or the token budget) rises "
                                              "this far above its baseline")
-    max_reward_drop: float | None = Field(0.5, gt=0, description="trip when reward/mean, averaged over "
+    max_reward_drop: float | None = Field(0.34, gt=0, description="trip when reward/mean, averaged over "
                                           "reward_window steps, falls this far below its best such average")
     reward_window: int = Field(3, ge=1)
     action: Literal["lower_lr", "end_phase"] = Field("lower_lr", description="after a rollback: go on with the "
