@@ -110,27 +110,27 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 #: a work pool's job variable: training processes per node (> 1: torchrun, one rank per device)
 NPROC_VAR = "SCALINGINTER_NPROC"
-
-
-def training_ranks() -> int:
-    """Training processes per node the work pool asks for (``SCALINGINTER_NPROC``, default 1): the one reader."""
-    value = os.environ.get(NPROC_VAR, "1")
-    if not value.isdigit() or int(value) < 1:
-        raise DeviceError(f"{NPROC_VAR}={value!r}: give the number of training processes per node (1 or more)")
-    return int(value)
-
-
 #: a work pool's job variables for a phase across machines: how many nodes, and the rendezvous (host:port) they meet
 NNODES_VAR = "SCALINGINTER_NNODES"
 RDZV_VAR = "SCALINGINTER_RDZV_ENDPOINT"
 
 
+def _count(var: str, what: str) -> int:
+    """A positive count from the environment variable ``var`` (default 1), refused by name when it is not one."""
+    value = os.environ.get(var, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise DeviceError(f"{var}={value!r}: give the number of {what} (1 or more)")
+    return int(value)
+
+
+def training_ranks() -> int:
+    """Training processes per node the work pool asks for (``SCALINGINTER_NPROC``, default 1): the one reader."""
+    return _count(NPROC_VAR, "training processes per node")
+
+
 def training_nodes() -> int:
     """Nodes one phase trains across (``SCALINGINTER_NNODES``, default 1): the one reader."""
-    value = os.environ.get(NNODES_VAR, "1")
-    if not value.isdigit() or int(value) < 1:
-        raise DeviceError(f"{NNODES_VAR}={value!r}: give the number of nodes one phase trains across (1 or more)")
-    return int(value)
+    return _count(NNODES_VAR, "nodes one phase trains across")
 
 
 def launcher_args() -> list[str]:
