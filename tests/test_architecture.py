@@ -42,3 +42,15 @@ def test_a_planted_violation_breaks_its_contract(tmp_path: Path, module: str, li
     assert done.returncode != 0
     broken = [row for row in done.stdout.splitlines() if row.endswith("BROKEN")]
     assert len(broken) == 1 and contract in broken[0], done.stdout[-2000:]
+
+
+def test_every_environment_variable_the_code_reads_is_on_the_settings_page() -> None:
+    """docs/environment.md lists every SCALINGINTER_* variable the code and prefect.yaml read, and only those."""
+    import re
+
+    folders = ("envs", "training", "flows", "tasks", "benchmarks")
+    sources = [p for folder in folders for p in (ROOT / folder).rglob("*.py")] + [ROOT / "prefect.yaml"]
+    used = {m for p in sources for m in re.findall(r"SCALINGINTER_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    listed = set(re.findall(r"`(SCALINGINTER_[A-Z0-9_]+)`", (ROOT / "docs" / "environment.md").read_text()))
+    assert used - listed == set(), f"read by the code, missing from docs/environment.md: {sorted(used - listed)}"
+    assert listed - used == set(), f"on docs/environment.md, read nowhere: {sorted(listed - used)}"
