@@ -677,7 +677,8 @@ def lineage(env: EnvArg) -> None:
 
     # whole in an 80-column terminal: the env in the title, not in every stage name; 8-character hashes (as git's
     # short ones); the free-text column (what a stage trained, the guard's trips) wraps, the others never do
-    table = Table(title=f"{env} lineage (dvc.lock at git {revision})", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0),
+    table = Table(title=f"{env} lineage (dvc.lock at git {revision})", box=box.SIMPLE_HEAD, show_edge=False,
+                  padding=(0, 1, 0, 0),
                   caption="reward: mean training reward, success: training success rate, of the last step")
     for name in ("stage", "h", "steps", "algo", "parent", "hash", "reward", "success", "wall s"):
         table.add_column(name, no_wrap=True, justify="right" if name in ("h", "steps", "wall s") else "left")

@@ -86,8 +86,11 @@ def _phase_stage(cmd: str, run: Run, index: int, deps: list[str], params: list[A
         # the stage up to date. Persistent: a resumed phase appends to its rollouts and metrics (a fresh run
         # clears them itself). intermediate/ (resume checkpoints) is the trainer's scratch space, not an
         # output: it survives a killed run and never travels.
-        "outs": [str(run.final(index)), str(run.state(index)), {str(run.rollouts(index)): {"persist": True}}],
-        "metrics": [{str(run.metrics(index)): {"persist": True}}],
+        # The DVC metric is the phase's headline (summary.json: a short row in `dvc metrics show`); dvclive's
+        # metrics.json, every figure of the last step, is a plain output beside its plots.
+        "outs": [str(run.final(index)), str(run.state(index)), {str(run.rollouts(index)): {"persist": True}},
+                 {str(run.metrics(index)): {"persist": True}}],
+        "metrics": [str(run.summary(index))],
         "plots": [{str(run.plots(index)): {"persist": True, "x": "step"}}],
     }
 
@@ -168,8 +171,9 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
             "deps": [BASE, *warm_folders, *finals, *eval_deps],
             "params": eval_params,
             # cached like every run output, so `dvc pull` brings a worker's evaluation back
-            "outs": [str(run.eval_per_item)],
-            "metrics": [str(run.eval_metrics)],
+            # the metric is each checkpoint's headline (summary.json); metrics.json holds every sub-task's figures
+            "outs": [str(run.eval_per_item), str(run.eval_metrics)],
+            "metrics": [str(run.eval_summary)],
         }
         baseline_metrics = []
         if params.get("pipeline", {}).get("baselines"):
@@ -185,8 +189,8 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                     "cmd": f"{CLI} eval {env} --profile ${{curriculum.profile}} --baseline {h}",
                     "deps": [BASE, *warm_folders, str(fixed.final(0)), *eval_deps],
                     "params": eval_params,
-                    "outs": [str(fixed.eval_per_item)],
-                    "metrics": [str(fixed.eval_metrics)],
+                    "outs": [str(fixed.eval_per_item), str(fixed.eval_metrics)],
+                    "metrics": [str(fixed.eval_summary)],
                 }
                 baseline_metrics.append(str(fixed.eval_metrics))
         out[f"{env}_report"] = {

@@ -125,6 +125,12 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
     assert list(metrics["checkpoints"]) == ["base", "phase-0", "phase-1", "phase-2"]
     assert "const DATA = {" in (work / "reports/babyai.html").read_text()
+    # `dvc metrics show` reads as a short table: each phase's headline and each checkpoint's success, Avg@k and
+    # Pass@k (not every sub-task's and every step's figure, which stay in the plain metrics.json files)
+    header = next(line for line in _sh(work, "dvc", "metrics", "show").splitlines() if line.startswith("Path"))
+    columns = header.split()[1:]
+    assert set(columns) == {"step", "reward_mean", "success_rate", "actor_kl", "actor_entropy"} | {
+        f"{c}.{m}" for c in ("base", "phase-0", "phase-1", "phase-2") for m in ("success", "avg_at_k", "pass_at_k")}
     assert _ran(_sh(work, "dvc", "repro")) == []  # a second repro does nothing
     params = (work / "params.yaml").read_text()
     smoke = "smoke: {h1: 2, delta_h: 2, every: 1, total_steps: 3}"
@@ -261,7 +267,7 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     base = shown["baseline"]
     assert {"lr", "seed1", "h1", "code"} <= set(shown)
     assert shown["lr"]["params"]["params.yaml"]["data"]["train"]["smoke"]["lr"] == 2e-5
-    assert "reward" in shown["lr"]["metrics"]["runs/babyai/phase-1/dvclive/metrics.json"]["data"]  # and metrics
+    assert "reward_mean" in shown["lr"]["metrics"]["runs/babyai/phase-1/summary.json"]["data"]  # and metrics
     assert _out_hash(shown["lr"], "runs/babyai/phase-1/final") != _out_hash(base, "runs/babyai/phase-1/final")
     assert _out_hash(shown["lr"], "models/tiny") == _out_hash(base, "models/tiny")
     assert shown["seed1"]["params"]["params.yaml"]["data"]["model"]["seed"] == 1

@@ -109,7 +109,15 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
     _write(run.eval_per_item, per_item)
     _write(run.eval_metrics, result)
+    _write(run.eval_summary, eval_summary(result))
     return result
+
+
+def eval_summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The evaluation's headline: each checkpoint's success, Avg@k and Pass@k, so that `dvc metrics show` reads as
+    one short row (the per-sub-task detail stays in metrics.json, the report and the plots)."""
+    return {name: {key: c[key] for key in ("success", "avg_at_k", "pass_at_k") if key in c}
+            for name, c in result["checkpoints"].items()}
 
 
 def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url: str | None,

@@ -69,6 +69,10 @@ class Run:
     def metrics(self, index: int) -> Path:
         return self.phase(index) / "dvclive" / "metrics.json"
 
+    def summary(self, index: int) -> Path:
+        """The phase's few headline figures (its DVC metric; the per-step detail is ``metrics``)."""
+        return self.phase(index) / "summary.json"
+
     def plots(self, index: int) -> Path:
         return self.phase(index) / "dvclive" / "plots" / "metrics"
 
@@ -82,6 +86,11 @@ class Run:
     @property
     def eval_metrics(self) -> Path:
         return self.eval_dir / "metrics.json"
+
+    @property
+    def eval_summary(self) -> Path:
+        """Each checkpoint's success, Avg@k and Pass@k (the evaluation's DVC metric; the detail is ``eval_metrics``)."""
+        return self.eval_dir / "summary.json"
 
     @property
     def eval_per_item(self) -> Path:

@@ -8,6 +8,7 @@ Prefect task all run, with values (never a command line).
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from envs.launcher import running_replicas
@@ -36,6 +37,32 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
             length = spec.policy_server.max_len(spec.train.context_budget, spec.train.max_new_tokens)
             lora = spec.train.lora.r if spec.train.lora is not None else None  # adapters synced in place
             policy_url = stack.enter_context(running_vllm(spec.init, spec.policy_server, length, lora))
-        return train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train, url=base,
-                           progress=progress, adaptive=spec.adaptive, policy_url=policy_url,
-                           policy_server=spec.policy_server)
+        final = train_phase(spec.env, spec.index, spec.h, spec.steps, spec.init, spec.out, config=spec.train,
+                            url=base, progress=progress, adaptive=spec.adaptive, policy_url=policy_url,
+                            policy_server=spec.policy_server)
+    if os.environ.get("RANK", "0") == "0":  # one writer among a phase's ranks
+        write_summary(spec.out)
+    return final
+
+
+#: the figures of a phase's last step its DVC metric shows (dvclive's metrics.json keeps every one)
+SUMMARY_KEYS = (("reward", "mean"), ("success", "rate"), ("actor", "kl"), ("actor", "entropy"))
+
+
+def write_summary(out: Path) -> Path:
+    """``out/summary.json``: the step and the headline figures of the phase's last step, from its dvclive
+    metrics, so that `dvc metrics show` reads as a short row per phase."""
+    import json
+
+    from envs.files import atomic_write
+
+    metrics = out / "dvclive" / "metrics.json"
+    data = json.loads(metrics.read_text()) if metrics.exists() else {}
+    summary: dict[str, float] = {"step": data.get("step", 0)}
+    for group, key in SUMMARY_KEYS:
+        value = data.get(group, {}).get(key)
+        if value is not None:
+            summary[f"{group}_{key}"] = value
+    path = out / "summary.json"
+    atomic_write(path, json.dumps(summary, indent=1))
+    return path
