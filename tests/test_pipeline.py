@@ -319,3 +319,14 @@ def test_one_run_at_a_time_holds_a_working_copy(tmp_path) -> None:
         holder.wait()
     with working_copy_lock(tmp_path / "a"):  # released when its holder died
         pass
+
+
+def test_the_committed_lock_holds_the_splits_of_the_committed_code() -> None:
+    """The stages whose outputs live in git (each environment's task splits) are up to date in the committed
+    dvc.lock, so `dvc status` on a fresh clone does not list them: a change to their code or seed comes with its
+    relocked entry (`dvc repro splits@<env>`, which rewrites the same splits when they do not change)."""
+    dvc = Path(sys.executable).parent / "dvc"
+    done = subprocess.run([str(dvc), "status", "splits", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=True)
+    stale = json.loads(done.stdout or "{}")
+    assert stale == {}, f"dvc.lock is stale for {sorted(stale)}: run `dvc repro` on them and commit dvc.lock"
