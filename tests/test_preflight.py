@@ -193,3 +193,16 @@ def test_two_torchrun_ranks_on_a_simulated_device_list_each_take_their_own(tmp_p
     assert [(r["local_rank"], r["device"], r["set"]) for r in rows] == [(0, "cuda:0", ["cuda:0"]),
                                                                        (1, "cuda:1", ["cuda:1"])]
     assert {r["backend"] for r in rows} == {"nccl"}
+
+
+def test_the_cann_version_is_read_from_the_toolkit_that_set_env_points_at(tmp_path, monkeypatch) -> None:
+    """On an Ascend worker the versions check names CANN's version, read from the toolkit's install record."""
+    from training.preflight import cann_version
+
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    assert cann_version() is None
+    arch = tmp_path / "aarch64-linux"
+    arch.mkdir()
+    (arch / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC3\n")
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
+    assert cann_version() == "8.0.RC3"

@@ -402,6 +402,23 @@ def _vllm_version(python: str) -> str | None:
     return out.stdout.strip() or None
 
 
+def cann_version() -> str | None:
+    """The CANN toolkit's version, from ``$ASCEND_TOOLKIT_HOME`` (set by CANN's ``set_env.sh``): its
+    ``ascend_toolkit_install.info`` (``version=8.0.RC1``, at the top or under ``<arch>-linux/``); None without
+    CANN."""
+    home = os.environ.get("ASCEND_TOOLKIT_HOME")
+    if not home:
+        return None
+    name = "ascend_toolkit_install.info"
+    for info in [Path(home) / name, *sorted(Path(home).glob(f"*-linux/{name}"))]:
+        if info.is_file():
+            for line in info.read_text(errors="replace").splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "version" and value.strip():
+                    return value.strip()
+    return None
+
+
 def check_versions(p: Plan) -> list[Finding]:
     """What is installed on this machine: torch's build for the pool's device kind, and the vLLM environment."""
     import torch
@@ -416,7 +433,7 @@ def check_versions(p: Plan) -> list[Finding]:
     elif p.pool.kind == "npu":
         import torch_npu  # type: ignore[import-not-found]
 
-        build += f", torch_npu {getattr(torch_npu, '__version__', '?')}"
+        build += f", torch_npu {getattr(torch_npu, '__version__', '?')}, CANN {cann_version() or 'not found'}"
     findings.append(Finding("versions", True, build))
     if p.vllm:
         from training.vllm_engine import EngineError, vllm_python
