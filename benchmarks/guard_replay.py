@@ -23,12 +23,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 
 from training.guard import CUTS, Guard, GuardConfig, GuardTrip
+from training.trajectory import TERMINATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "docs" / "curriculum-study"
 #: the runs the study itself called collapses (docs/curriculum-study.md)
 COLLAPSES = {"fixed-20-s0"}
-ENDINGS = ("done", "turn_cap", "context_cap", "token_cap", "time_cap", "env_error")
 
 
 def shipped_config() -> GuardConfig:
@@ -40,7 +40,7 @@ def shipped_config() -> GuardConfig:
 
 def step_stats(row: dict[str, Any]) -> dict[str, float]:
     """A logged step's row as the trainer's per-step metrics the guard reads."""
-    trajectories = sum(float(row.get(k, 0.0)) for k in ENDINGS)
+    trajectories = sum(float(row.get(k, 0.0)) for k in TERMINATIONS)
     stats = {"reward/mean": float(row["reward"]), "rollout/trajectories": trajectories,
              "env/errors": float(row.get("env_error", 0.0))}
     return stats | {f"rollout/termination/{cut}": float(row.get(cut, 0.0)) for cut in CUTS}

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.paths import project_root
-from envs.registry import backend_capacity
+from envs.registry import CAPACITY_OPTIONS, backend_capacity
 from training.config import (
     EvalConfig,
     PolicyServerConfig,
@@ -243,7 +243,7 @@ def check_capacity(p: Plan) -> list[Finding]:
             findings.append(Finding(f"capacity {env}", True, f"{live} episodes at once (batch_items x n_samples) "
                                     f"within {capacity} ({server.replicas} server(s) x {one})"))
         else:
-            option = {"sciworld": "max_jvms", "webarena": "max_contexts"}.get(env)
+            option = CAPACITY_OPTIONS.get(env)
             need = -(-live // server.replicas)
             fix = (f"set env_server.backend_options.{env}.{option} to at least {need}" if option and
                    (pool_size or 0) < need else f"set env_server.max_instances to at least {need}")
