@@ -148,7 +148,7 @@ def expert(
 
 @app.command()
 def splits(env: EnvArg, seed: Annotated[int, typer.Option(help="seed of the stratified sample")] = 0) -> None:
-    """Write data/ENV/train.json and test.json (deterministic)."""
+    """Write data/ENV/train.json, test.json and gate.json (deterministic)."""
     from envs.registry import load_backend
     from envs.splits import write_splits
 
@@ -241,8 +241,9 @@ def train_phase_cmd(
     phase: Annotated[int, typer.Option(help="curriculum phase index")] = 0,
     h: Annotated[int, typer.Option(help="turn cap of this phase")] = 2,
     steps: Annotated[int, typer.Option(help="training steps of this phase")] = 2,
-    init: Annotated[str | None, typer.Option(help="base model or the previous phase's final checkpoint "
-                                                  "(default: models/<model.preset>)")] = None,
+    init: Annotated[str | None, typer.Option(help="base model, the previous phase's final checkpoint, or its "
+                                                  "gate's promotion.json (default: models/<model.preset>)")]
+    = None,
     out: Annotated[str, typer.Option(help="phase folder: intermediate/, final/, dvclive/, rollouts/")] = "runs/phase",
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL, or comma-separated replicas; for "
@@ -275,7 +276,9 @@ def train_phase_cmd(
         base_model_dir,
         load_params,
         policy_server_config,
+        resolve_init,
         server_config,
+        stopped,
         train_config,
     )
     from training.phase import run_phase
@@ -297,8 +300,9 @@ def train_phase_cmd(
     try:
         overrides = _pairs(set_ or [])
         params = load_params()
-        spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out),
-                         init=Path(init) if init else base_model_dir(params),
+        start = Path(init) if init else base_model_dir(params)
+        spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out), init=resolve_init(start),
+                         stopped=stopped(start),
                          train=train_config(env, profile, overrides, params), server=server_config(env, params),
                          servers={e: server_config(e, params) for e in envs} if len(envs) > 1 else {},
                          policy_server=policy_server_config(params),
@@ -308,6 +312,31 @@ def train_phase_cmd(
     final = run_phase(spec, url, progress=True, policy_url=policy_url)
     console.print(f"phase {phase} (h={h}) done: {final}")
     exit_rank()  # under torchrun: every rank leaves its process group and ends before the interpreter's shutdown
+
+
+@app.command("gate")
+def gate_cmd(
+    env: EnvArg,
+    phase: Annotated[int, typer.Option(help="the phase whose final checkpoint is gated")] = 0,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL(s) (default: start env_server.replicas)")]
+    = None,
+    policy_url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_VLLM_URL",
+                                                   help="vLLM server of eval.engine vllm (default: start one)")]
+    = None,
+) -> None:
+    """Promotion gate of phase PHASE (stage ENV_gate_PHASE): the phase's final checkpoint against its parent on the
+    gate items; writes runs/ENV/gate-PHASE/promotion.json (what the next phase starts from) and summary.json.
+    Settings: params.yaml ``gate.<profile>`` (margin, rule, on_reject ...) and ``eval.<profile>`` (how it samples)."""
+    from training.config import ConfigError
+    from training.gate import describe, run_gate
+
+    _check_env(env)
+    try:
+        summary = run_gate(env, phase, url=url, progress=console.print, policy_url=policy_url)
+    except ConfigError as err:
+        _fail(str(err))
+    console.print(describe(phase, summary))
 
 
 @app.command("check")
@@ -690,6 +719,16 @@ def lineage(env: EnvArg) -> None:
                       fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"),
                       "-" if wall is None else f"{float(wall):.0f}", r.trained)
     console.print(table)
+    from training.config import ConfigError
+    from training.gate import run_result
+
+    try:
+        result = run_result(env, project_root())
+        if result["gate"] is not None:
+            console.print(f"the run hands back {result['checkpoint']} ({result['decision']} at gate {result['gate']}, "
+                          f"gate score {result['score']:.1%})")
+    except ConfigError as err:
+        problems.append(str(err))
     if problems:
         for problem in problems:
             console.print(f"[red]disagreement:[/red] {problem}")
@@ -700,22 +739,27 @@ def lineage(env: EnvArg) -> None:
 def export(
     env: EnvArg,
     out: Annotated[str, typer.Option(help="folder to write (replaced if it exists)")],
-    phase: Annotated[int | None, typer.Option(help="phase index (default: the last one)")] = None,
+    phase: Annotated[int | None, typer.Option(help="phase index (default: the run's result: with promotion gates "
+                                                   "the best checkpoint they promoted, else the last phase's)")]
+    = None,
 ) -> None:
-    """Export a phase's checkpoint to hand on: the HF model folder with a model card that includes its evaluation."""
+    """Export a checkpoint to hand on: the HF model folder with a model card that includes its evaluation. A phase
+    its promotion gate rejected is refused."""
     from pathlib import Path
 
-    from flows.export import export_phase
+    from flows.export import export_phase, export_result
     from training.checkpoint import CheckpointError
-    from training.config import ConfigError, curriculum_config
+    from training.config import ConfigError
 
     _check_env(env)
     try:
-        index = phase if phase is not None else len(curriculum_config(env).phases()) - 1
-        path = export_phase(env, index, Path(out))
+        if phase is None:
+            path, what = export_result(env, Path(out))
+        else:
+            path, what = export_phase(env, phase, Path(out)), f"phase {phase}"
     except (ConfigError, CheckpointError) as err:
         _fail(str(err))
-    console.print(f"exported {env} phase {index} to {path}")
+    console.print(f"exported {env} {what} to {path}")
 
 
 @app.command("eval")

@@ -32,6 +32,7 @@ from training.config import (
     adaptive_rule,
     curriculum_config,
     eval_config,
+    gate_config,
     load_params,
     mixed_components,
     parse_params,
@@ -95,6 +96,24 @@ def _phase_stage(cmd: str, run: Run, index: int, deps: list[str], params: list[A
     }
 
 
+def _gate_stage(env: str, run: Run, index: int, profile: str, last: str, parent_deps: list[str],
+                eval_server: list[str]) -> dict[str, Any]:
+    """Stage ``<env>_gate_<k>`` (training.gate): phase k's final checkpoint against its parent on the gate items.
+    Its margin, rule and items are params of this stage only; the next phase depends on promotion.json, which
+    changes only when the decision does."""
+    return {
+        "cmd": f"{CLI} gate {env} --phase {index}",
+        "deps": [*parent_deps, str(run.final(index)), f"data/{env}/gate.json", f"envs/{env}", *TRAIN_CODE],
+        # train: a retry trains the phase again; eval: how the gate samples; the last phase's h: its turn cap
+        "params": [f"gate.{profile}", f"eval.{profile}", f"train.{profile}", "curriculum.profile",
+                   {"phases.yaml": [f"{env}.phase_{index}", f"{env}.{last}.h"]}, *eval_server],
+        # persistent: a killed gate keeps the evaluations it made and its retries' checkpoints, and resumes
+        "outs": [str(run.promotion(index)), str(run.gate_record(index)), {str(run.retries(index)): {"persist": True}},
+                 {str(run.gate(index) / "evals"): {"persist": True}}],
+        "metrics": [str(run.gate_summary(index))],
+    }
+
+
 def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The dvc.yaml ``stages`` mapping. Every value a command takes is interpolated from the params its stage
     declares (``${...}``), so ``dvc exp run -S`` reruns exactly what a changed value touches, with that value."""
@@ -122,7 +141,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 # in git, not the DVC cache; persistent, so a command that fails to start (a `python` without the
                 # project, say) leaves the committed files in place: DVC deletes other outs before running
                 "outs": [{f"data/${{item}}/{split}.json": {"cache": False, "persist": True}}
-                         for split in ("train", "test")],
+                         for split in ("train", "test", "gate")],
             },
         },
     }
@@ -131,6 +150,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
         train_server = ["policy_server"] if train_config(env, profile, params=params).engine == "vllm" else []
         eval_server = ["policy_server"] if eval_config(env, profile, params).engine == "vllm" else []
         run, parent, parent_state = Run(env), BASE, []
+        gated = gate_config(env, profile, params).enabled
         warm = {name: row for name, row in phases.items() if name.startswith("warm_")}
         phases = {name: row for name, row in phases.items() if name.startswith("phase_")}
         components = mixed_components(env, params)  # [env], or the environments of the mixed run
@@ -159,8 +179,15 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
             out[f"{env}_{name}"] = _phase_stage(cmd, run, index, deps,
                                                 [{"phases.yaml": [f"{env}.{name}"]}, f"train.{profile}",
                                                  "curriculum.profile", *mixed, *train_server])
-            parent, parent_state = str(run.final(index)), [str(run.state(index))]
+            if gated:  # the next phase starts from what this gate promotes (promotion.json names it, with its hash)
+                out[f"{env}_gate_{index}"] = _gate_stage(env, run, index, profile, list(phases)[-1],
+                                                         start_deps if index == 0 else [parent], eval_server)
+                parent, parent_state = str(run.promotion(index)), []
+            else:
+                parent, parent_state = str(run.final(index)), [str(run.state(index))]
         finals = [str(run.final(int(name.split("_")[1]))) for name in phases]
+        gates = [str(run.gate_record(int(name.split("_")[1]))) for name in phases] if gated else []
+        retries = [str(run.retries(int(name.split("_")[1]))) for name in phases] if gated else []
         last = list(phases)[-1]
         eval_deps = [*(f"data/{e}/test.json" for e in components), *(f"envs/{e}" for e in components), *EVAL_CODE]
         # the turn cap is the last phase's h; the context budget is training's unless eval sets its own
@@ -168,7 +195,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                        {"phases.yaml": [f"{env}.{last}.h"]}, *mixed, *eval_server]
         out[f"{env}_eval"] = {
             "cmd": f"{CLI} eval {env} --profile ${{curriculum.profile}}",
-            "deps": [BASE, *warm_folders, *finals, *eval_deps],
+            "deps": [BASE, *warm_folders, *finals, *retries, *eval_deps],
             "params": eval_params,
             # cached like every run output, so `dvc pull` brings a worker's evaluation back
             # the metric is each checkpoint's headline (summary.json); metrics.json holds every sub-task's figures
@@ -195,7 +222,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 baseline_metrics.append(str(fixed.eval_metrics))
         out[f"{env}_report"] = {
             "cmd": f"{CLI} report {env}",
-            "deps": [str(run.eval_metrics), *baseline_metrics, *warm_folders, *finals, "training/report.py",
+            "deps": [str(run.eval_metrics), *baseline_metrics, *warm_folders, *finals, *gates, "training/report.py",
                      "training/report_template.html", "training/lineage.py",
                      "data/paper_results.json"],
             "outs": [str(report_file(env))],

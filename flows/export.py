@@ -15,7 +15,8 @@ from typing import Any
 
 from envs.paths import project_root
 from training.checkpoint import MANIFEST, model_card, read_manifest, replace_folder
-from training.config import ConfigError
+from training.config import ConfigError, curriculum_config, gate_config, load_params
+from training.gate import run_result
 from training.layout import Run
 
 
@@ -31,21 +32,49 @@ def _last_step(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def export_result(env: str, out: Path, root: Path | None = None) -> tuple[Path, str]:
+    """Write the checkpoint ``env``'s run hands back (training.gate.run_result: the best its promotion gates
+    promoted, or ungated the last phase's) to ``out``; returns (``out``, what it was)."""
+    root = root or project_root()
+    result = run_result(env, root)
+    run = Run(env, root=root)
+    phases = curriculum_config(env, params=load_params(root / "params.yaml")).phases()
+    for phase in phases:
+        if run.final(phase.index) == root / result["checkpoint"]:
+            return export_phase(env, phase.index, out, root), f"phase {phase.index} ({result['decision']})"
+    evaluated = json.loads(run.eval_metrics.read_text())["checkpoints"] if run.eval_metrics.exists() else {}
+    name = next((n for n, c in evaluated.items() if c.get("path") == result["checkpoint"]), None)
+    return _export(run, root / result["checkpoint"], name, None, out), f"{result['checkpoint']} ({result['decision']})"
+
+
 def export_phase(env: str, index: int, out: Path, root: Path | None = None) -> Path:
-    """Write phase ``index`` of ``env``'s run to ``out`` (replaced if it exists); returns ``out``."""
-    run = Run(env, root=root or project_root())
-    final = run.final(index)
+    """Write phase ``index`` of ``env``'s run to ``out`` (replaced if it exists); returns ``out``. A phase its
+    promotion gate rejected (training.gate) is refused: the run hands back another checkpoint."""
+    root = root or project_root()
+    run = Run(env, root=root)
+    record = run.gate_record(index)
+    if gate_config(env, params=load_params(root / "params.yaml")).enabled and record.exists():
+        decision = json.loads(record.read_text())["decision"]
+        if decision not in ("promoted", "marked"):
+            raise ConfigError(f"phase {index} of {env} was rejected by its promotion gate ({decision}; {record}): "
+                              f"export the run's result instead (`scalinginter export {env} --out DIR`, no --phase)")
+    return _export(run, run.final(index), f"phase-{index}", index, out)
+
+
+def _export(run: Run, final: Path, name: str | None, index: int | None, out: Path) -> Path:
+    """``final`` (a checkpoint of ``run``; ``name`` its evaluation's entry, ``index`` its phase) to ``out``."""
     manifest = read_manifest(final, verify=True)
     evaluation = None
-    if run.eval_metrics.exists():
+    if run.eval_metrics.exists() and name is not None:
         metrics = json.loads(run.eval_metrics.read_text())
-        entry = metrics["checkpoints"].get(f"phase-{index}")
+        entry = metrics["checkpoints"].get(name)
         if entry is not None and entry.get("hash") != manifest["hash"]:
-            raise ConfigError(f"{run.eval_metrics} evaluated another phase-{index} checkpoint: run `dvc repro "
-                              f"{env}_eval` first")
+            raise ConfigError(f"{run.eval_metrics} evaluated another {name} checkpoint: run `dvc repro "
+                              f"{run.env}_eval` first")
         if entry is not None:
             evaluation = {**entry, **{k: metrics[k] for k in ("items", "k", "temperature", "h", "seed")}}
-    stats = _last_step(json.loads(run.metrics(index).read_text())) if run.metrics(index).exists() else {}
+    stats = (_last_step(json.loads(run.metrics(index).read_text()))
+             if index is not None and run.metrics(index).exists() else {})
     tmp = out.parent / f".tmp-{out.name}"
     if tmp.exists():
         shutil.rmtree(tmp)

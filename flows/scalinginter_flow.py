@@ -33,6 +33,7 @@ from tasks.pipeline import (
     build_base_model,
     build_report,
     evaluate_run,
+    gate_phase,
     provision_env_server,
     provision_policy_server,
     run_phase,
@@ -46,6 +47,7 @@ from training.config import (
     ConfigError,
     curriculum_config,
     eval_config,
+    gate_config,
     load_params,
     mixed_components,
     mixed_envs,
@@ -54,13 +56,14 @@ from training.config import (
     train_config,
 )
 from training.evaluate import closing_line
+from training.gate import describe, run_result
 from training.layout import Run
 from training.preflight import plan, require
 from training.warm import pipeline_stages
 
 
 def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path,
-              closing: str) -> str:
+              closing: str, gates: list[str] | None = None) -> str:
     lines = [f"# scalinginter: {env} ({profile})", "",
              "| phase | h | steps | ran | reward/mean | success/rate | checkpoint | parent | wall s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -68,6 +71,8 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
         lines.append(f"| {row['stage']} | {row['h']} | {row['steps']} | {'yes' if row['ran'] else 'up to date'} | "
                      f"{row['reward']} | {row['success']} | `{row['hash'][:12]}` | `{row['parent'][:12]}` | "
                      f"{row['wall_seconds']} |")
+    if gates:
+        lines += ["", "Promotion gates:", "", *(f"- {line}" for line in gates)]
     k = evaluation["k"]
     lines += ["", f"Evaluation on {evaluation['items']} test items (k={k}, T={evaluation['temperature']}, "
               f"h={evaluation['h']}):", "", f"| checkpoint | success | 95% CI | Avg@{k} | Pass@{k} |",
@@ -149,7 +154,8 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
                          server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
             policy_url, policy_pids = provision_policy_server(base, server, length,
                                                               train.lora.r if train.lora is not None else None)
-        rows, warm = [], []
+        rows, warm, gates = [], [], []
+        gated = gate_config(env, profile, params).enabled
         for k, stage in enumerate(pipeline_stages(curriculum.warm_start)):  # sft / rft rounds / dpo before the RL
             print(f"warm start {k}: {stage.method}")
             warm.append(run_warm_stage(env, k, url))
@@ -158,6 +164,9 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             started = time.perf_counter()
             rows.append(run_phase(env, phase.index, url, policy_url))
             rows[-1]["task_seconds"] = round(time.perf_counter() - started, 3)  # with Prefect's own share
+            if gated:  # the next phase starts from what the gate promotes
+                gates.append(describe(phase.index, gate_phase(env, phase.index, url, policy_url)))
+                print(gates[-1])
         results = evaluate_run(env, url, policy_url)
     finally:
         for pid in pids:
@@ -168,12 +177,17 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
     print(version(f"scalinginter {env} ({profile}): {len(phases)} phases", record, push))
     run = Run(env, root=project_root())
     closing = closing_line(results, json.loads(run.eval_per_item.read_text()))
-    create_markdown_artifact(_markdown(env, profile, warm + rows, results, report, closing),
+    if gated:
+        result = run_result(env, project_root())
+        closing += (f"\nthe run hands back {result['checkpoint']} (promoted at gate {result['gate']}: "
+                    f"{result['decision']}, gate score {result['score']:.1%})")
+    create_markdown_artifact(_markdown(env, profile, warm + rows, results, report, closing, gates),
                              key=f"scalinginter-{env}", description=f"ScalingInter curriculum of {env}")
     print(closing)
     print(f"checkpoints: {run.dir}/phase-*/final\nmetrics:     {run.dir}/phase-*/dvclive (dvc plots show), "
           f"{run.eval_metrics}\nlineage:     scalinginter lineage {env}\nreport:      {report}")
-    return {"warm_start": warm, "phases": rows, "evaluation": results, "report": str(report), "closing": closing}
+    return {"warm_start": warm, "phases": rows, "gates": gates, "evaluation": results, "report": str(report),
+            "closing": closing}
 
 
 @contextlib.contextmanager

@@ -167,6 +167,19 @@ def run_phase(env: str, index: int, url: str, policy_url: str | None = None) -> 
 
 
 @task
+def gate_phase(env: str, index: int, url: str, policy_url: str | None = None) -> dict:
+    """Run (or skip, if up to date) phase ``index``'s promotion gate (stage ``<env>_gate_<index>``, training.gate)
+    against the provisioned servers; returns its summary (decision and figures)."""
+    from training.gate import run_gate
+
+    stage = f"{env}_gate_{index}"
+    _say(stage, run_stage(project_root(), stage, url, policy_url=policy_url,
+                          work=lambda: run_gate(env, index, url=url, root=Path("."), policy_url=policy_url,
+                                                progress=print)), "gated")
+    return json.loads(Run(env, root=project_root()).gate_record(index).read_text())
+
+
+@task
 def run_warm_stage(env: str, index: int, url: str) -> dict:
     """Run (or skip, if up to date) warm-start stage ``index`` (sft, rft or dpo before the RL phases) as its DVC
     stage, against the provisioned environment server."""

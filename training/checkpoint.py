@@ -191,12 +191,16 @@ def read_manifest(folder: Path, verify: bool = False) -> dict[str, Any]:
     return manifest
 
 
+def list_checkpoints(folder: Path) -> list[Path]:
+    """The complete intermediate checkpoints under ``folder`` (``step-NNNNNN``), oldest first."""
+    if not folder.exists():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).exists())
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     """The newest complete intermediate checkpoint under ``folder`` (``step-NNNNNN``), if any."""
-    if not folder.exists():
-        return None
-    steps = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-")
-                   and (p / MANIFEST).exists())
+    steps = list_checkpoints(folder)
     return steps[-1] if steps else None
 
 

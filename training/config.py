@@ -4,6 +4,7 @@ from ``training.curriculum``), and the ``PhaseSpec`` a phase is trained from."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -301,6 +302,46 @@ def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | N
     return config
 
 
+class GateConfig(BaseModel):
+    """A promotion gate at every phase boundary (params.yaml ``gate.<profile>``; ``training.gate``): the phase's
+    final checkpoint against its parent on the gate items, sampled as the evaluation samples (its engine, k,
+    temperature, turn cap and context budget)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = Field(True, description="false: every phase hands its final checkpoint on, ungated")
+    items: int | None = Field(16, ge=1, description="first N gate items (data/<env>/gate.json, stratified order); "
+                              "None: all")
+    metric: Literal["success", "reward"] = Field("success", description="what is compared, per item and sample")
+    margin: float = Field(0.05, ge=0, description="how much worse than its parent a phase may score and still be "
+                          "promoted (0.05: 5 points of success)")
+    rule: Literal["point", "interval"] = Field(
+        "point", description="point: promoted when the mean paired difference is >= -margin; interval: promoted "
+        "unless the whole 95% interval lies below -margin (rejects only a fall the gate items show)")
+    on_reject: Literal["retry", "stop", "mark"] = Field(
+        "retry", description="retry: train the phase again from its best intra-phase checkpoint at lr x lr_factor "
+        "(max_retries times; then the parent is promoted); stop: promote the parent and end the curriculum; "
+        "mark: promote the phase anyway, marked")
+    max_retries: int = Field(1, ge=1, le=5)
+    lr_factor: float = Field(0.1, gt=0, lt=1)
+    resamples: int = Field(2000, ge=100, description="bootstrap resamples of the interval")
+
+
+def gate_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> GateConfig:
+    """``gate.<profile>`` of params.yaml, then ``gate.<profile>.envs.<env>``; no section: no gate."""
+    params = load_params() if params is None else params
+    profile = profile or params.get("curriculum", {}).get("profile", "smoke")
+    if not (params.get("gate") or {}).get(profile):
+        return GateConfig(enabled=False)
+    _, values = _profile_values(params, "gate", env, profile)
+    try:
+        config = GateConfig(**values)
+    except ValidationError as err:
+        raise ConfigError(f"gate.{profile} (env {env}) in params.yaml: {err}") from err
+    if config.enabled and env == MIXED:
+        raise ConfigError(f"gate.{profile}.envs.{MIXED}.enabled: the mixed run has no promotion gate; set it false")
+    return config
+
+
 class ServerConfig(BaseModel):
     """An environment server the pipeline starts itself (params.yaml ``env_server``)."""
 
@@ -432,6 +473,7 @@ class PhaseSpec(BaseModel):
     servers: dict[str, ServerConfig] = {}  # a mixed run's (env a,b,c) server settings per environment (else server)
     policy_server: PolicyServerConfig = PolicyServerConfig()  # the vllm engine's server (train.engine: vllm)
     adaptive: AdaptiveRule | None = None  # the curriculum's adaptive mode (never on its last phase)
+    stopped: bool = False  # a promotion gate ended the curriculum before this phase: it trains nothing
 
 
 def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> PhaseSpec:
@@ -441,14 +483,15 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
     params = load_params(root / "params.yaml")
     profile = params.get("curriculum", {}).get("profile", "smoke")
     run = Run(env, fixed_h, root)
-    adaptive = None
+    adaptive, stop = None, False
     if fixed_h is None:
         table = _phases_file(root).get(env, {})
         if f"phase_{index}" not in table:
             raise ConfigError(f"phases.yaml has no {env}.phase_{index}: run `scalinginter pipeline`")
         row = table[f"phase_{index}"]
         h, steps = int(row["h"]), int(row["steps"])
-        init = start_checkpoint(env, params, root, profile) if index == 0 else run.final(index - 1)
+        init, stop = ((start_checkpoint(env, params, root, profile), False) if index == 0
+                      else previous_checkpoint(env, index, root, params))
         adaptive = adaptive_rule(env, index, profile, params)
     else:  # from the same start as the curriculum, so the two compare fairly
         h, steps = fixed_h, curriculum_config(env, profile, params).total_steps
@@ -457,7 +500,37 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
     return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=init, out=run.phase(index),
                      train=train_config(env, profile, params=params), server=server_config(env, params),
                      servers={e: server_config(e, params) for e in components} if len(components) > 1 else {},
-                     policy_server=policy_server_config(params), adaptive=adaptive)
+                     policy_server=policy_server_config(params), adaptive=adaptive, stopped=stop)
+
+
+def read_promotion(path: Path) -> dict[str, Any]:
+    """A promotion gate's promotion.json (training.gate); a missing one names the stage that writes it."""
+    if not path.exists():
+        gate = path.parent.name.replace("gate-", "")
+        raise ConfigError(f"{path} not found: run the promotion gate of phase {gate} first "
+                          f"(`dvc repro <env>_gate_{gate}`, or `scalinginter gate ENV --phase {gate}`)")
+    return json.loads(path.read_text())
+
+
+def resolve_init(init: Path, root: Path = Path(".")) -> Path:
+    """A phase's ``--init``: a checkpoint folder, or a gate's promotion.json (the checkpoint it promoted)."""
+    if init.name == "promotion.json":
+        return root / read_promotion(init if init.is_absolute() else root / init)["checkpoint"]
+    return init
+
+
+def previous_checkpoint(env: str, index: int, root: Path, params: dict[str, Any]) -> tuple[Path, bool]:
+    """(what phase ``index`` > 0 starts from, whether a gate stopped the curriculum before it): what the previous
+    phase's gate promoted (params.yaml ``gate``), or, ungated, the previous phase's final checkpoint."""
+    run = Run(env, root=root)
+    if gate_config(env, params=params).enabled:
+        return resolve_init(run.promotion(index - 1), root), stopped(run.promotion(index - 1), root)
+    return run.final(index - 1), False
+
+
+def stopped(init: Path, root: Path = Path(".")) -> bool:
+    """Whether ``init`` is a gate's promotion.json that ended the curriculum (``gate.on_reject: stop``)."""
+    return init.name == "promotion.json" and bool(read_promotion(init if init.is_absolute() else root / init)["stop"])
 
 
 def warm_spec(env: str, index: int, root: Path) -> tuple[Any, Path, Path]:

@@ -29,9 +29,11 @@ from training.config import (
     base_model_dir,
     curriculum_config,
     eval_config,
+    gate_config,
     load_params,
     mixed_components,
     policy_server_config,
+    read_promotion,
     server_config,
     train_config,
 )
@@ -58,8 +60,14 @@ def checkpoints(env: str, profile: str | None = None, root: Path | None = None, 
         out[f"fixed-h{baseline}"] = Run(env, baseline, root).final(0)
         stage = f"{env}_fixed_h{baseline}"
     else:
+        gated = gate_config(env, profile, params).enabled
         for phase in phases:
             out[f"phase-{phase.index}"] = Run(env, root=root).final(phase.index)
+            promotion = Run(env, root=root).promotion(phase.index)
+            if gated and promotion.exists():  # a retry its gate promoted (training.gate) is one of the run's too
+                decision = read_promotion(promotion)
+                if decision["decision"].startswith("retry-"):
+                    out[f"gate-{phase.index}-{decision['decision']}"] = root / decision["checkpoint"]
         stage = f"{env}_phase_{len(phases) - 1}"
     missing = [f"{name} ({path})" for name, path in out.items() if not (path / "config.json").exists()]
     if missing:

@@ -5,6 +5,8 @@
     runs/<env>/phase-<k>/final/                        a curriculum phase's checkpoint (a clean HF folder)
     runs/<env>/phase-<k>/final-state/                  its trainer state (optimizer, RNG, data position)
     runs/<env>/phase-<k>/{intermediate,rollouts,dvclive}/
+    runs/<env>/gate-<k>/promotion.json                 phase k's promotion gate: the checkpoint the next phase
+                                                       starts from (decision.json: why; retries/retry-<n>/)
     runs/<env>/eval/{metrics,per_item}.json            the evaluation of the base model and every phase
     runs/<env>-fixed-h<h>/phase-0/..., eval/           a fixed-h baseline run and its evaluation
     reports/<env>.html, reports/index.html             the report
@@ -68,6 +70,26 @@ class Run:
 
     def metrics(self, index: int) -> Path:
         return self.phase(index) / "dvclive" / "metrics.json"
+
+    def gate(self, index: int) -> Path:
+        """Phase ``index``'s promotion gate (training.gate): promotion.json, summary.json, evals/, retry-<n>/."""
+        return self.dir / f"gate-{index}"
+
+    def promotion(self, index: int) -> Path:
+        """What gate ``index`` decided: the checkpoint the next phase starts from (the next phase's dependency)."""
+        return self.gate(index) / "promotion.json"
+
+    def gate_summary(self, index: int) -> Path:
+        """Gate ``index``'s headline figures (its DVC metric: a short row in `dvc metrics show`)."""
+        return self.gate(index) / "summary.json"
+
+    def gate_record(self, index: int) -> Path:
+        """Gate ``index``'s whole account: the decision, its figures, each retry."""
+        return self.gate(index) / "decision.json"
+
+    def retries(self, index: int) -> Path:
+        """Gate ``index``'s retrained phases (``retry-<n>/``, each a phase folder) and their index."""
+        return self.gate(index) / "retries"
 
     def summary(self, index: int) -> Path:
         """The phase's few headline figures (its DVC metric; the per-step detail is ``metrics``)."""

@@ -17,6 +17,7 @@ import yaml
 
 from training.checkpoint import CheckpointError, folder_hash, read_manifest
 from training.config import base_model_dir, load_params
+from training.gate import gate_text
 from training.layout import Run
 from training.warm import parse_stage, stage_checkpoints
 
@@ -135,6 +136,12 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
         except CheckpointError as err:
             problems.append(f"{name}: {err} (run `dvc pull` to fetch it)")
             continue
+        summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
+        if summary.get("stopped"):  # after a gate that ended the curriculum: the promoted checkpoint, passed on
+            records.append(PhaseRecord(name, locked["h"], 0, "-", manifest["hash"], manifest["hash"],
+                                       summary=f"nothing: the curriculum stopped; passes on {summary['passed_on']}"))
+            records += _gate_record(env, index, stages, root, problems)[:1]
+            continue
         record = PhaseRecord(name, manifest["h"], manifest["steps"], manifest["algorithm"], manifest["parent"],
                              manifest["hash"], _metrics(folder), manifest.get("cost", {}),
                              manifest.get("curriculum", {}), manifest.get("guard", {}).get("events", []))
@@ -149,4 +156,28 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
                             f"{expected_parent[:12]}")
         expected_parent = record.own
         records.append(record)
+        gate = _gate_record(env, index, stages, root, problems)
+        if gate:  # the next phase starts from what the gate promoted
+            records.append(gate[0])
+            expected_parent = gate[0].own
     return records, problems, _git_revision(root)
+
+
+def _gate_record(env: str, index: int, stages: dict[str, Any], root: Path, problems: list[str]) -> list[PhaseRecord]:
+    """Phase ``index``'s promotion gate (training.gate) as a record: parent = the phase's checkpoint, hash = the
+    checkpoint it promoted, trained = its decision with its figures; [] when the pipeline has no such gate."""
+    name = f"{env}_gate_{index}"
+    if name not in stages:
+        return []
+    run = Run(env, root=root)
+    path = run.gate_record(index)
+    if not path.exists():
+        problems.append(f"{name}: {path} is missing (run `dvc pull` to fetch it)")
+        return []
+    record = json.loads(path.read_text())
+    promoted = json.loads(run.promotion(index).read_text())
+    if promoted["checkpoint"] != record["checkpoint"]:
+        problems.append(f"{name}: promotion.json names {promoted['checkpoint']}, decision.json {record['checkpoint']}")
+    phase = read_manifest(run.final(index))["hash"] if (run.final(index) / "manifest.json").exists() else "-"
+    own = promoted.get("hash") or folder_hash(root / promoted["checkpoint"])
+    return [PhaseRecord(name, record.get("h", 0), 0, "gate", phase, own, summary=gate_text(record))]

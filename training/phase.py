@@ -22,7 +22,12 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
     """Train phase ``spec`` against the environment server at ``url`` (or comma-separated replicas), or against
     ``spec.server.replicas`` servers started here with ``spec.server``; with ``train.engine: vllm``, sampling from
     the vLLM server at ``policy_url`` or from one started here on the phase's parent checkpoint (every server
-    started here is always stopped). Resumes an interrupted phase; returns its final checkpoint folder."""
+    started here is always stopped). Resumes an interrupted phase; returns its final checkpoint folder. A phase
+    after a promotion gate that ended the curriculum (``spec.stopped``) trains nothing and passes its start on."""
+    if spec.stopped:
+        from training.gate import pass_through
+
+        return pass_through(spec, Path("."))
     with contextlib.ExitStack() as stack:
         envs = mixed_envs(spec.env)
         if len(envs) > 1:  # a mixed run: each environment's own servers (ENV=URL pairs, or started here)

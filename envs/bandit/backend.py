@@ -42,7 +42,7 @@ class Backend(base.Backend):
 
     @property
     def num_items(self) -> int:
-        return 64
+        return 96
 
     def new_instance(self) -> BanditEnv:
         return BanditEnv()

@@ -1,0 +1,166 @@
+"""Promotion gates (training/gate.py): a phase hands its checkpoint on only if it is not worse than its parent.
+
+The integration tests run a three-phase bandit curriculum in a working copy of its own, from the 50/50 SFT warm
+start (conftest): a phase at a sound learning rate is promoted; a phase at a learning rate far too high wrecks
+the policy and is rejected, then retried or the curriculum stopped, as configured; the lineage shows it; a killed
+gate resumes without sampling again; the margin moves the decision record, not what the next phase depends on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from flows.dvc_pipeline import render
+from training.config import GateConfig, load_params, phase_spec
+from training.gate import decide, paired_interval, run_gate, run_result
+from training.layout import Run
+from training.lineage import lineage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_paired_interval_resamples_items_then_samples() -> None:
+    before = np.zeros((40, 4))
+    after = np.zeros((40, 4))
+    after[:10] = 1.0  # a quarter of the items always succeed after
+    diff, low, high = paired_interval(before, after)
+    assert diff == pytest.approx(0.25) and 0.1 < low < 0.25 < high < 0.45
+    assert paired_interval(before, before) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="items x samples"):
+        paired_interval(np.zeros(3), np.zeros(3))
+
+
+@pytest.mark.parametrize(("drop", "rule", "passed"), [
+    (0.0, "point", True), (0.025, "point", True), (0.2, "point", False),
+    (0.075, "point", False), (0.075, "interval", True), (0.5, "interval", False)])
+def test_decide_by_margin_and_rule(drop: float, rule: str, passed: bool) -> None:
+    before = np.zeros((80, 4))
+    before[:48] = 1.0  # 60% of the items succeed before
+    after = before.copy()
+    after[: round(drop * 80)] = 0.0  # and this share of them fails after
+    verdict = decide(before, after, GateConfig(margin=0.05, rule=rule))
+    assert verdict["passed"] is passed, verdict
+    assert verdict["diff"] == pytest.approx(-drop) and verdict["ci95"][0] <= verdict["diff"] <= verdict["ci95"][1]
+
+
+def _bandit_workspace(tmp_path: Path, warm: Path, on_reject: str, lrs: list[float]) -> Path:
+    """A working copy holding a bandit curriculum of len(lrs) one-turn phases of 3 steps (phase k trained at lrs[k];
+    params.yaml's learning rate, which a retry lowers, is the highest of them)."""
+    root = tmp_path / "repo"
+    (root / "data" / "bandit").mkdir(parents=True)
+    for split in ("train", "test", "gate"):
+        shutil.copy(ROOT / "data" / "bandit" / f"{split}.json", root / "data" / "bandit")
+    shutil.copytree(warm, root / "models" / "tiny")
+    if (warm.parent / f"{warm.name}-state").is_dir():  # its trainer state, beside it
+        shutil.copytree(warm.parent / f"{warm.name}-state", root / "models" / "tiny-state")
+    params = load_params(ROOT / "params.yaml")
+    params["pipeline"]["envs"] = ["bandit"]
+    params["curriculum"]["profile"] = "smoke"
+    params["curriculum"]["bandit"] = {"cap": 1, "fixed_baselines": [1], "profiles": {
+        "smoke": {"schedule": [[1, 3]] * len(lrs), "total_steps": 3 * len(lrs)}}}
+    params["train"]["smoke"]["envs"]["bandit"] = {
+        "batch_items": 4, "n_samples": 4, "max_new_tokens": 16, "kl_coef": 0.0, "skip_flat_steps": True,
+        "mini_batch_size": 16, "micro_batch_size": 16, "log_rollouts": False, "lr": max(lrs), "save_every": 1,
+        "guard": {"enabled": False}}
+    params["eval"]["smoke"]["envs"] = {"bandit": {"k": 4, "temperature": 1.0, "max_new_tokens": 16, "h": 1}}
+    params["gate"]["smoke"] |= {"items": 16, "margin": 0.1, "on_reject": on_reject, "lr_factor": 0.01}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "phases.yaml").write_text(render(params)[0])
+    return root
+
+
+def _phase(root: Path, index: int, lr: float, url: str) -> None:
+    from training.phase import run_phase
+
+    spec = phase_spec("bandit", index, root)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={"lr": lr})})
+    run_phase(spec, url)
+
+
+@pytest.mark.slow
+def test_a_wrecked_phase_is_rejected_and_retried_and_a_sound_one_promoted(bandit_warm_start, env_server, tmp_path,
+                                                                         monkeypatch) -> None:
+    url = env_server("bandit")
+    root = _bandit_workspace(tmp_path, bandit_warm_start, "retry", [3e-4, 0.05])
+    monkeypatch.chdir(root)
+    run = Run("bandit", root=root)
+    _phase(root, 0, 3e-4, url)
+    first = run_gate("bandit", 0, url=url, root=root)
+    assert first["decision"] == "promoted" and first["passed"] and first["episodes_sampled"] == 2 * 16 * 4
+    assert phase_spec("bandit", 1, root).init == root / "runs/bandit/phase-0/final"
+    _phase(root, 1, 0.05, url)  # far too high: the policy stops naming a door
+    second = run_gate("bandit", 1, url=url, root=root)
+    assert not second["passed"] and second["diff"] < -0.3, second
+    assert [r["retry"] for r in second["retries"]] == [1] and second["retries"][0]["lr"] == pytest.approx(5e-4)
+    retry = second["retries"][0]
+    assert second["decision"] == ("retry-1" if retry["passed"] else "parent")
+    assert json.loads(run.promotion(1).read_text())["checkpoint"] == (
+        "runs/bandit/gate-1/retries/retry-1/final" if retry["passed"] else "runs/bandit/phase-0/final")
+    result = run_result("bandit", root)
+    assert result["checkpoint"] != "runs/bandit/phase-1/final"  # never the rejected checkpoint
+    # a killed gate resumes: every evaluation it made is kept, so a rerun samples nothing (no server needed)
+    for name in ("promotion.json", "decision.json", "summary.json"):
+        (run.gate(1) / name).unlink()
+    again = run_gate("bandit", 1, url="http://127.0.0.1:9", root=root)
+    assert again["episodes_sampled"] == 0 and again["decision"] == second["decision"]
+    # the margin moves the decision record only: promotion.json (the next phase's dependency) stays byte for byte
+    promotion = run.promotion(0).read_bytes()
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["gate"]["smoke"]["margin"] = 0.2
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    wider = run_gate("bandit", 0, url="http://127.0.0.1:9", root=root)
+    assert wider["margin"] == 0.2 and run.promotion(0).read_bytes() == promotion
+
+
+@pytest.mark.slow
+def test_stop_promotes_the_parent_and_later_phases_train_nothing(bandit_warm_start, env_server, tmp_path,
+                                                                 monkeypatch) -> None:
+    url = env_server("bandit")
+    root = _bandit_workspace(tmp_path, bandit_warm_start, "stop", [3e-4, 0.05, 3e-4])
+    monkeypatch.chdir(root)
+    run = Run("bandit", root=root)
+    _phase(root, 0, 3e-4, url)
+    run_gate("bandit", 0, url=url, root=root)
+    _phase(root, 1, 0.05, url)
+    stopped = run_gate("bandit", 1, url=url, root=root)
+    assert stopped["decision"] == "stopped" and stopped["checkpoint"] == "runs/bandit/phase-0/final"
+    spec = phase_spec("bandit", 2, root)
+    assert spec.stopped and spec.init == root / "runs/bandit/phase-0/final"
+    _phase(root, 2, 3e-4, url)  # trains nothing: passes the promoted checkpoint on
+    assert (run.final(2) / "model.safetensors").read_bytes() == (run.final(0) / "model.safetensors").read_bytes()
+    assert json.loads(run.summary(2).read_text())["stopped"] == 1
+    assert run_gate("bandit", 2, url="http://127.0.0.1:9", root=root)["decision"] == "passed-on"
+    assert run_result("bandit", root)["checkpoint"] == "runs/bandit/phase-0/final"
+    # the lineage tells it: each gate's decision, and the chain of parents through what the gates promoted
+    stages = {f"bandit_{kind}_{k}": {"params": {"phases.yaml": {f"bandit.phase_{k}": {"h": 1, "steps": 3,
+                                                                                    "algorithm": "grpo"}}}}
+              for k in range(3) for kind in ("phase", "gate")}
+    (root / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+    records, problems, _ = lineage("bandit", root)
+    assert problems == []
+    rows = {r.stage: r for r in records}
+    assert rows["bandit_gate_1"].trained.startswith("stopped:")
+    assert rows["bandit_phase_2"].trained.startswith("nothing: the curriculum stopped")
+    assert rows["bandit_gate_0"].trained.startswith("promoted:")
+
+
+def test_gate_stages_carry_their_params_and_the_next_phase_depends_on_the_promotion_only() -> None:
+    params = load_params(ROOT / "params.yaml")
+    params["pipeline"]["envs"] = ["babyai"]
+    stages = yaml.safe_load(render(params)[1])["stages"]
+    gate = stages["babyai_gate_0"]
+    assert "gate.smoke" in gate["params"] and "runs/babyai/phase-0/final" in gate["deps"]
+    assert "runs/babyai/gate-0/promotion.json" in gate["outs"]
+    later = stages["babyai_phase_1"]
+    assert "runs/babyai/gate-0/promotion.json" in later["deps"] and "gate.smoke" not in later["params"]
+    assert "--init runs/babyai/gate-0/promotion.json" in later["cmd"]
+    assert not any("gate-0/decision.json" in str(d) for d in later["deps"])
+    params["gate"]["smoke"]["enabled"] = False
+    ungated = yaml.safe_load(render(params)[1])["stages"]
+    assert "babyai_gate_0" not in ungated and "runs/babyai/phase-0/final" in ungated["babyai_phase_1"]["deps"]

@@ -1,0 +1,357 @@
+"""Promotion gates: a phase hands its checkpoint on only if it is not worse than the checkpoint it started from.
+
+After phase ``k`` (stage ``<env>_gate_<k>``), its final checkpoint and its parent (the checkpoint the phase
+started from) are evaluated on the same gate items (``data/<env>/gate.json``: never trained on, apart from the
+test split), with the evaluation's engine, k, temperature, turn cap and context budget (``eval.<profile>``), and
+compared paired, per item and sample (bootstrap over items, then over each item's samples). The phase is
+promoted when it is not worse than its parent by more than ``gate.<profile>.margin`` (``rule``: on the mean
+difference, or on its whole 95% interval). Otherwise, as ``on_reject`` says:
+
+- ``retry``: the phase is trained again (``retry-<n>/``, each a phase folder of its own) from its best
+  intra-phase checkpoint (the kept ``intermediate/`` ones and the parent, scored on the gate items) at the
+  learning rate times ``lr_factor``**n, up to ``max_retries`` times; the first retry that passes is promoted,
+  and when none does, the parent is, and the curriculum goes on from it;
+- ``stop``: the parent is promoted and the curriculum ends: later phases train nothing (their ``final/`` is the
+  promoted checkpoint, linked, and their summary says so), and their gates pass it on;
+- ``mark``: the phase is promoted anyway, and its decision says it was worse.
+
+``promotion.json`` (the next phase's dependency) holds only what the next phase needs (the checkpoint, its hash,
+the decision, whether the curriculum stopped), so a changed margin that leaves the decision alone reruns the gate
+and nothing after it; ``decision.json`` holds the whole account and ``summary.json`` (the DVC metric) its figures.
+Every checkpoint's gate evaluation is kept in ``evals/`` under its hash and the settings, so a killed gate resumes
+without sampling twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs.files import atomic_write
+from envs.launcher import running_replicas
+from envs.paths import project_root
+from envs.splits import load_split
+from training.checkpoint import MANIFEST, checkpoint_hash, read_manifest
+from training.config import (
+    ConfigError,
+    GateConfig,
+    PhaseSpec,
+    curriculum_config,
+    eval_config,
+    gate_config,
+    load_params,
+    phase_spec,
+    policy_server_config,
+    read_promotion,
+    server_config,
+)
+from training.layout import Run
+
+#: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
+PROMOTION_KEYS = ("checkpoint", "hash", "decision", "stop")
+
+
+def paired_interval(before: np.ndarray, after: np.ndarray, resamples: int = 2000, level: float = 0.95,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """(mean of ``after - before``, low, high): ``before`` and ``after`` are items x samples, paired cell by cell
+    (the same item, the same sample seed). Each resample draws items, then each drawn item's samples."""
+    diff = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
+    if diff.ndim != 2 or diff.size == 0:
+        raise ValueError(f"paired outcomes must be items x samples, not shape {diff.shape}")
+    n, k = diff.shape
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, n, size=(resamples, n, 1))
+    cols = rng.integers(0, k, size=(resamples, n, k))
+    means = diff[rows, cols].mean(axis=(1, 2))
+    low, high = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(diff.mean()), float(low), float(high)
+
+
+def decide(before: np.ndarray, after: np.ndarray, config: GateConfig) -> dict[str, Any]:
+    """Compare a candidate (``after``) with its parent (``before``) as ``config`` says: the mean difference, its
+    95% interval, and whether the candidate passes."""
+    diff, low, high = paired_interval(before, after, config.resamples)
+    passed = diff >= -config.margin if config.rule == "point" else high >= -config.margin
+    return {"parent": float(np.mean(before)), "candidate": float(np.mean(after)), "diff": diff, "ci95": [low, high],
+            "margin": config.margin, "rule": config.rule, "passed": bool(passed)}
+
+
+def stopped_before(env: str, index: int, root: Path) -> bool:
+    """Whether a gate before phase ``index`` stopped the curriculum (``on_reject: stop``)."""
+    if index == 0 or not gate_config(env, params=load_params(root / "params.yaml")).enabled:
+        return False
+    return bool(read_promotion(Run(env, root=root).promotion(index - 1)).get("stop"))
+
+
+def pass_through(spec: PhaseSpec, root: Path) -> Path:
+    """Phase ``spec`` after a gate stopped the curriculum: no training; its ``final/`` is the promoted checkpoint
+    (files linked, not copied), its summary and metrics say why. Returns the final folder."""
+    out = root / spec.out if not spec.out.is_absolute() else spec.out
+    source = spec.init if spec.init.is_absolute() else root / spec.init
+    final, state = out / "final", out / "final-state"
+    for folder in (final, state):
+        if folder.exists():
+            shutil.rmtree(folder)
+    tmp = out / ".tmp-final"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source, tmp, copy_function=_link_or_copy)
+    beside = source.parent / f"{source.name}-state"
+    if beside.is_dir():
+        shutil.copytree(beside, state, copy_function=_link_or_copy)
+    else:
+        state.mkdir(parents=True)
+    tmp.rename(final)
+    record = {"step": 0, "stopped": 1, "trained_steps": 0}
+    for folder in ("rollouts", "dvclive/plots/metrics"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "dvclive" / "metrics.json", json.dumps(record, indent=1))
+    atomic_write(out / "summary.json", json.dumps(record | {"passed_on": str(spec.init)}, indent=1))
+    return final
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+class GateRun:
+    """One gate: its settings, items and servers, and a cache of every checkpoint's gate evaluation."""
+
+    def __init__(self, env: str, index: int, root: Path, url: str, policy_url: str | None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        params = load_params(root / "params.yaml")
+        self.env, self.index, self.root, self.url, self.policy_url = env, index, root, url, policy_url
+        self.config = gate_config(env, params=params)
+        self.eval = eval_config(env, params=params)
+        self.h = self.eval.h or curriculum_config(env, params=params).phases()[-1].h
+        self.server = policy_server_config(params)
+        items = load_split(env, "gate", root / "data")
+        if not items:
+            raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
+                              f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
+        from training.eval_stage import stratified_head
+
+        self.items = [r["item_id"] for r in stratified_head(items, self.config.items)]
+        self.run = Run(env, root=root)
+        self.folder = self.run.gate(index)
+        self.progress = progress
+        self.episodes = 0  # rollouts sampled by this gate (cached ones not counted)
+
+    def settings(self) -> dict[str, Any]:
+        return {"items": self.items, "h": self.h, "k": self.eval.k, "temperature": self.eval.temperature,
+                "seed": self.eval.seed, "max_new_tokens": self.eval.max_new_tokens,
+                "context_budget": self.eval.context_budget, "engine": self.eval.engine}
+
+    def outcomes(self, checkpoint: Path) -> np.ndarray:
+        """``checkpoint`` on the gate items: items x samples of the gate's metric (from the cache when there)."""
+        checkpoint = checkpoint if checkpoint.is_absolute() else self.root / checkpoint
+        settings = self.settings()
+        digest = checkpoint_hash(checkpoint) if (checkpoint / MANIFEST).exists() else _folder_digest(checkpoint)
+        key = hashlib.sha256(json.dumps([digest, settings], sort_keys=True).encode()).hexdigest()[:16]
+        cache = self.folder / "evals" / f"{key}.json"
+        if cache.exists():
+            data = json.loads(cache.read_text())
+        else:
+            from training.evaluate import evaluate
+
+            if self.progress is not None:
+                self.progress(f"gate {self.index}: evaluating {checkpoint}")
+            result = evaluate(checkpoint, self.env, self.url, self.items, h=self.h, k=self.eval.k,
+                              temperature=self.eval.temperature, max_new_tokens=self.eval.max_new_tokens,
+                              seed=self.eval.seed, batch_items=self.eval.batch_items,
+                              context_budget=self.eval.context_budget or 8192, device=self.eval.device,
+                              policy_url=self.policy_url if self.eval.engine == "vllm" else None,
+                              policy_server=self.server, prefix_cache_gb=self.eval.prefix_cache_gb)
+            self.episodes += len(self.items) * self.eval.k
+            data = {"checkpoint": str(checkpoint.relative_to(self.root)) if checkpoint.is_relative_to(self.root)
+                    else str(checkpoint), "hash": digest,
+                    "success": [[float(x) for x in result.success[i]] for i in self.items],
+                    "reward": [[float(x) for x in result.reward[i]] for i in self.items]}
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(cache, json.dumps(data))
+        return np.asarray(data[self.config.metric], dtype=float)
+
+
+def _folder_digest(folder: Path) -> str:
+    """A base model without a manifest: its files' names and sizes (the build is deterministic)."""
+    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def _rel(path: Path, root: Path) -> str:
+    path = path if path.is_absolute() else root / path
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def _checkpoint_id(path: Path, root: Path) -> str | None:
+    path = path if path.is_absolute() else root / path
+    return read_manifest(path)["hash"] if (path / MANIFEST).exists() else None
+
+
+def run_gate(env: str, index: int, url: str | None = None, root: Path | None = None, policy_url: str | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Gate phase ``index`` of ``env``'s run: evaluate, decide, retry if so configured; write promotion.json and
+    summary.json; return the summary. ``url``: environment servers that already run (else started here);
+    ``policy_url``: a vLLM server for ``eval.engine: vllm`` (else SCALINGINTER_VLLM_URL, else started here)."""
+    root = root or project_root()
+    params = load_params(root / "params.yaml")
+    config = gate_config(env, params=params)
+    if not config.enabled:
+        raise ConfigError(f"gate.<profile>.enabled is false for {env}: the pipeline has no gate stages for it")
+    run = Run(env, root=root)
+    spec = phase_spec(env, index, root)
+    parent, candidate = spec.init, run.final(index)
+    started = time.perf_counter()
+    if stopped_before(env, index, root):  # the curriculum ended at an earlier gate: pass its checkpoint on
+        earlier = read_promotion(run.promotion(index - 1))
+        summary = {"decision": "passed-on", "stop": True, "checkpoint": earlier["checkpoint"],
+                   "note": "the curriculum stopped at an earlier gate; this phase trained nothing"}
+        return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
+                                                                                      "stop": True}, summary)
+    with _servers(env, params, url, policy_url, parent) as (base, served):
+        gate = GateRun(env, index, root, base, served, progress)
+        before = gate.outcomes(parent)
+        first = decide(before, gate.outcomes(candidate), config)
+        retries: list[dict[str, Any]] = []
+        chosen, decision, stop = candidate, "promoted", False
+        if not first["passed"]:
+            if config.on_reject == "mark":
+                decision = "marked"
+            elif config.on_reject == "stop":
+                chosen, decision, stop = parent, "stopped", True
+            else:
+                chosen, decision = parent, "parent"
+                start, start_score = _best_start(gate, spec, before)
+                for n in range(1, config.max_retries + 1):
+                    lr = spec.train.lr * config.lr_factor ** n
+                    retry = _retry(spec, start, run.retries(index) / f"retry-{n}", lr, base, served)
+                    verdict = decide(before, gate.outcomes(retry), config)
+                    retries.append({"retry": n, "start": _rel(start, root), "start_score": start_score, "lr": lr,
+                                    "checkpoint": _rel(retry, root)} | verdict)
+                    if verdict["passed"]:
+                        chosen, decision = retry, f"retry-{n}"
+                        break
+        episodes = gate.episodes
+        settings = gate.settings()
+    promotion = {"checkpoint": _rel(chosen, root), "hash": _checkpoint_id(chosen, root), "decision": decision,
+                 "stop": stop}
+    summary = {"decision": decision, "stop": stop, "checkpoint": promotion["checkpoint"],
+               "parent_checkpoint": _rel(parent, root), "phase_checkpoint": _rel(candidate, root),
+               "metric": config.metric, **first, "on_reject": config.on_reject, "retries": retries,
+               "items": len(settings["items"]), "k": settings["k"], "h": settings["h"],
+               "temperature": settings["temperature"], "episodes_sampled": episodes,
+               "seconds": round(time.perf_counter() - started, 3)}
+    return _write(run, index, promotion, summary)
+
+
+def _write(run: Run, index: int, promotion: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """promotion.json (the next phase's dependency), decision.json (the whole account) and summary.json (the DVC
+    metric: the gate's figures as numbers, 1 when the phase's own checkpoint was promoted)."""
+    run.retries(index).mkdir(parents=True, exist_ok=True)
+    (run.gate(index) / "evals").mkdir(parents=True, exist_ok=True)
+    atomic_write(run.gate_record(index), json.dumps(summary, indent=1))
+    headline = {"gate_parent": summary.get("parent"), "gate_phase": summary.get("candidate"),
+                "gate_diff": summary.get("diff"),
+                "phase_promoted": int(summary["decision"] in ("promoted", "marked"))}
+    atomic_write(run.gate_summary(index), json.dumps({k: v for k, v in headline.items() if v is not None}, indent=1))
+    atomic_write(run.promotion(index), json.dumps({k: promotion[k] for k in PROMOTION_KEYS}, indent=1))
+    return summary
+
+
+def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tuple[Path, float]:
+    """Where a retry starts: the best on the gate items of the parent and the phase's kept intra-phase
+    checkpoints (ties go to the parent: the retry then re-trains the whole phase)."""
+    from training.checkpoint import list_checkpoints
+
+    best, score = spec.init, float(np.mean(parent_scores))
+    out = spec.out if spec.out.is_absolute() else gate.root / spec.out
+    for folder in list_checkpoints(out / "intermediate"):
+        value = float(np.mean(gate.outcomes(folder)))
+        if value > score:
+            best, score = folder, value
+    return best, score
+
+
+def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None) -> Path:
+    """The phase trained again from ``start`` at ``lr`` into ``out`` (resumed if interrupted)."""
+    from training.phase import run_phase
+
+    retry = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": lr})})
+    return run_phase(retry, url, policy_url=policy_url)
+
+
+@contextlib.contextmanager
+def _servers(env: str, params: dict[str, Any], url: str | None, policy_url: str | None, first: Path
+             ) -> Iterator[tuple[str, str | None]]:
+    """(environment URL, vLLM URL or None): those given, else started here for the gate and stopped after."""
+    config = eval_config(env, params=params)
+    with contextlib.ExitStack() as stack:
+        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
+        served = None
+        if config.engine == "vllm":
+            from training.vllm_engine import running_vllm
+
+            server = policy_server_config(params)
+            served = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
+                running_vllm(first, server, server.max_len(config.context_budget or 8192, config.max_new_tokens)))
+        yield base, served
+
+
+def run_result(env: str, root: Path | None = None) -> dict[str, Any]:
+    """The checkpoint a gated run hands back: of the checkpoints its gates promoted, the one with the best gate
+    score (all are scored on the same gate items and samples; ties go to the later); ``{"checkpoint", "gate",
+    "score", "decision"}``. Ungated, the last phase's final checkpoint."""
+    root = root or project_root()
+    params = load_params(root / "params.yaml")
+    run = Run(env, root=root)
+    phases = curriculum_config(env, params=params).phases()
+    if not gate_config(env, params=params).enabled:
+        return {"checkpoint": str(run.final(phases[-1].index).relative_to(root)), "gate": None, "score": None,
+                "decision": "ungated"}
+    best: dict[str, Any] | None = None
+    for phase in phases:
+        summary_path = run.gate_record(phase.index)
+        if not summary_path.exists():
+            raise ConfigError(f"{summary_path} not found: run the gates first (`dvc repro {env}_gate_{phase.index}`)")
+        summary = json.loads(summary_path.read_text())
+        if summary["decision"] == "passed-on":
+            continue
+        chosen = summary["checkpoint"]
+        score = next((r["candidate"] for r in summary["retries"] if r["checkpoint"] == chosen), None)
+        if score is None:
+            score = summary["candidate"] if chosen == summary["phase_checkpoint"] else summary["parent"]
+        row = {"checkpoint": chosen, "gate": phase.index, "score": score, "decision": summary["decision"]}
+        if best is None or score >= best["score"]:
+            best = row
+    assert best is not None  # phase 0's gate always decides
+    return best
+
+
+def describe(index: int, summary: dict[str, Any]) -> str:
+    """One gate's decision as a line: ``gate 1: promoted: 40% -> 45% (+5.0, CI ...; margin 5); hands on ...``."""
+    return f"gate {index}: {gate_text(summary)}; hands on {summary['checkpoint']}"
+
+
+def gate_text(record: dict[str, Any]) -> str:
+    """A gate's decision in a few words: ``promoted: 25% -> 31% (+6.2, CI -3.1..+15.6; margin 5)``."""
+    if record["decision"] == "passed-on":
+        return "passed on (the curriculum stopped earlier)"
+    low, high = record["ci95"]
+    text = (f"{record['decision']}: {record['parent']:.0%} -> {record['candidate']:.0%} "
+            f"({100 * record['diff']:+.1f}, CI {100 * low:+.1f}..{100 * high:+.1f}; margin {100 * record['margin']:g})")
+    for r in record.get("retries", []):
+        verdict = "passed" if r["passed"] else "failed"
+        text += f"; retry {r['retry']} at lr {r['lr']:.2g}: {r['candidate']:.0%} ({verdict})"
+    return text
