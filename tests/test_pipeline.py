@@ -50,7 +50,8 @@ def test_committed_dvc_yaml_and_phases_agree_with_params_and_the_curriculum(tmp_
             stage = stages[f"{env}_phase_{p.index}"]
             assert f"--h {p.h} --steps {p.steps}" in stage["cmd"] and f"--phase {p.index}" in stage["cmd"]
             assert stage["cmd"].startswith("python -m flows.cli train-phase")  # the working copy's own code
-            parent = "models/tiny" if p.index == 0 else f"runs/{env}/phase-{p.index - 1}/final"
+            # each phase after the first starts from what the previous phase's promotion gate promoted
+            parent = "models/tiny" if p.index == 0 else f"runs/{env}/gate-{p.index - 1}/promotion.json"
             assert f"--init {parent}" in stage["cmd"] and parent in stage["deps"]
             # the code it runs: its own environment and the core, not the other environments nor the CLI
             assert f"envs/{env}" in stage["deps"] and "envs/server.py" in stage["deps"]
@@ -119,8 +120,9 @@ def _ran(output: str) -> list[str]:
 def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_path) -> None:
     work = _workspace(tmp_path, one_step_phases=3)
     first = _sh(work, "dvc", "repro")
-    assert {"build_model", "babyai_phase_0", "babyai_phase_1", "babyai_phase_2", "babyai_eval",
-            "babyai_report"} <= set(_ran(first))
+    assert {"build_model", "babyai_phase_0", "babyai_gate_0", "babyai_phase_1", "babyai_gate_1", "babyai_phase_2",
+            "babyai_gate_2", "babyai_eval", "babyai_report"} <= set(_ran(first))
+    assert json.loads((work / "runs/babyai/gate-1/promotion.json").read_text())["decision"] == "promoted"
     assert (work / "runs/babyai/phase-2/final/manifest.json").exists()
     metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
     assert list(metrics["checkpoints"]) == ["base", "phase-0", "phase-1", "phase-2"]
@@ -129,7 +131,8 @@ def test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed(tmp_p
     # Pass@k (not every sub-task's and every step's figure, which stay in the plain metrics.json files)
     header = next(line for line in _sh(work, "dvc", "metrics", "show").splitlines() if line.startswith("Path"))
     columns = header.split()[1:]
-    assert set(columns) == {"step", "reward_mean", "success_rate", "actor_kl", "actor_entropy"} | {
+    assert set(columns) == {"step", "reward_mean", "success_rate", "actor_kl", "actor_entropy", "gate_parent",
+                            "gate_phase", "gate_diff", "phase_promoted"} | {
         f"{c}.{m}" for c in ("base", "phase-0", "phase-1", "phase-2") for m in ("success", "avg_at_k", "pass_at_k")}
     assert _ran(_sh(work, "dvc", "repro")) == []  # a second repro does nothing
     params = (work / "params.yaml").read_text()
@@ -237,7 +240,7 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     _sh(work, "git", "commit", "-qm", "baseline")
 
     assert _ran(_sh(work, "dvc", "exp", "run", "--temp", "-n", "lr", "-S", "train.smoke.lr=2e-5",
-                    "babyai_phase_1")) == ["babyai_phase_0", "babyai_phase_1"]
+                    "babyai_phase_1")) == ["babyai_phase_0", "babyai_gate_0", "babyai_phase_1"]
     assert _ran(_sh(work, "dvc", "exp", "run", "--temp", "-n", "seed1", "-S", "model.seed=1",
                     "build_model")) == ["build_model"]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -247,8 +250,8 @@ def test_dvc_experiments_rerun_what_a_setting_touches_with_its_value(tmp_path) -
     # the curriculum through scalinginter exp-run: phase 0's h changes (2 -> 3), so phase 0 and 1 rerun
     ran = _ran(_sh(work, "scalinginter", "exp-run", "-S", "curriculum.babyai.profiles.smoke.h1=3", "--temp",
                    "-n", "h1", "babyai_phase_1"))
-    assert ran == ["pipeline_check", "babyai_phase_0", "babyai_phase_1"] or \
-        ran == ["babyai_phase_0", "babyai_phase_1"], ran
+    assert ran in (["pipeline_check", "babyai_phase_0", "babyai_gate_0", "babyai_phase_1"],
+                   ["babyai_phase_0", "babyai_gate_0", "babyai_phase_1"]), ran
     assert _sh(work, "git", "status", "--porcelain") == ""  # the working copy's files were restored
 
     # a queued experiment runs the code of its snapshot, not the installed checkout's

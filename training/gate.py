@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,40 +89,6 @@ def stopped_before(env: str, index: int, root: Path) -> bool:
     if index == 0 or not gate_config(env, params=load_params(root / "params.yaml")).enabled:
         return False
     return bool(read_promotion(Run(env, root=root).promotion(index - 1)).get("stop"))
-
-
-def pass_through(spec: PhaseSpec, root: Path) -> Path:
-    """Phase ``spec`` after a gate stopped the curriculum: no training; its ``final/`` is the promoted checkpoint
-    (files linked, not copied), its summary and metrics say why. Returns the final folder."""
-    out = root / spec.out if not spec.out.is_absolute() else spec.out
-    source = spec.init if spec.init.is_absolute() else root / spec.init
-    final, state = out / "final", out / "final-state"
-    for folder in (final, state):
-        if folder.exists():
-            shutil.rmtree(folder)
-    tmp = out / ".tmp-final"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(source, tmp, copy_function=_link_or_copy)
-    beside = source.parent / f"{source.name}-state"
-    if beside.is_dir():
-        shutil.copytree(beside, state, copy_function=_link_or_copy)
-    else:
-        state.mkdir(parents=True)
-    tmp.rename(final)
-    record = {"step": 0, "stopped": 1, "trained_steps": 0}
-    for folder in ("rollouts", "dvclive/plots/metrics"):
-        (out / folder).mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "dvclive" / "metrics.json", json.dumps(record, indent=1))
-    atomic_write(out / "summary.json", json.dumps(record | {"passed_on": str(spec.init)}, indent=1))
-    return final
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 class GateRun:

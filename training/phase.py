@@ -8,9 +8,12 @@ Prefect task all run, with values (never a command line).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 from pathlib import Path
 
+from envs.files import atomic_write
 from envs.launcher import running_replicas
 from training.checkpoint import MANIFEST
 from training.config import PhaseSpec, mixed_envs
@@ -25,8 +28,6 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
     started here is always stopped). Resumes an interrupted phase; returns its final checkpoint folder. A phase
     after a promotion gate that ended the curriculum (``spec.stopped``) trains nothing and passes its start on."""
     if spec.stopped:
-        from training.gate import pass_through
-
         return pass_through(spec, Path("."))
     with contextlib.ExitStack() as stack:
         envs = mixed_envs(spec.env)
@@ -71,3 +72,37 @@ def write_summary(out: Path) -> Path:
     path = out / "summary.json"
     atomic_write(path, json.dumps(summary, indent=1))
     return path
+
+
+def pass_through(spec: PhaseSpec, root: Path) -> Path:
+    """Phase ``spec`` after a gate stopped the curriculum: no training; its ``final/`` is the promoted checkpoint
+    (files linked, not copied), its summary and metrics say why. Returns the final folder."""
+    out = root / spec.out if not spec.out.is_absolute() else spec.out
+    source = spec.init if spec.init.is_absolute() else root / spec.init
+    final, state = out / "final", out / "final-state"
+    for folder in (final, state):
+        if folder.exists():
+            shutil.rmtree(folder)
+    tmp = out / ".tmp-final"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source, tmp, copy_function=_link_or_copy)
+    beside = source.parent / f"{source.name}-state"
+    if beside.is_dir():
+        shutil.copytree(beside, state, copy_function=_link_or_copy)
+    else:
+        state.mkdir(parents=True)
+    tmp.rename(final)
+    record = {"step": 0, "stopped": 1, "trained_steps": 0}
+    for folder in ("rollouts", "dvclive/plots/metrics"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "dvclive" / "metrics.json", json.dumps(record, indent=1))
+    atomic_write(out / "summary.json", json.dumps(record | {"passed_on": str(spec.init)}, indent=1))
+    return final
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
