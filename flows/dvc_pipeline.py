@@ -123,7 +123,10 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
         # and fails with the fix (regenerate; `scalinginter exp run` does it) instead of silently doing nothing
         "pipeline_check": {
             "cmd": f"{CLI} pipeline --check",
-            "params": ["curriculum", "pipeline", "model.preset"],
+            # and which environments have promotion gates (the gate stages exist or not), not the gates' figures
+            "params": ["curriculum", "pipeline", "model.preset",
+                       *(f"gate.{name}.{key}" for name, section in (params.get("gate") or {}).items()
+                         for key in ("enabled", "envs") if key in (section or {}))],
         },
         "build_model": {
             "cmd": f"{CLI} build-model --preset ${{model.preset}} --out {BASE} --seed ${{model.seed}} "

@@ -65,7 +65,9 @@ def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
     # every stage ran in the flow's process and was recorded by dvc commit (the splits, the base model and phase 0
     # in the killed run): plain DVC agrees with them
-    for stage in ("babyai_phase_2: trained", "babyai_eval: ran", "babyai_report: ran"):
+    # each phase went through its promotion gate, in the flow's process, and the run says what it hands back
+    assert "gate 2: promoted:" in log and "the run hands back runs/babyai/" in done.stdout
+    for stage in ("babyai_phase_2: trained", "babyai_gate_2: gated", "babyai_eval: ran", "babyai_report: ran"):
         assert f"{stage} (in process" in log, log[-3000:]
     for stage in ("splits@babyai", "build_model"):
         assert f"{stage}: up to date" in log

@@ -22,7 +22,7 @@ from typing import Any
 from envs.files import atomic_write
 from envs.paths import project_root
 from training.checkpoint import CheckpointError, read_manifest
-from training.config import base_model_dir, curriculum_config, load_params
+from training.config import ConfigError, base_model_dir, curriculum_config, load_params
 from training.layout import Run
 from training.model import PRESETS
 
@@ -79,7 +79,13 @@ def _lineage(env: str, root: Path) -> dict[str, Any]:
         records, problems, revision = lineage(env, root)
     except (FileNotFoundError, LookupError) as err:
         return {"error": str(err), "records": [], "problems": [], "revision": None}
-    return {"revision": revision, "problems": problems,
+    from training.gate import run_result
+
+    try:  # with promotion gates: the checkpoint the run hands back, and why
+        result = run_result(env, root)
+    except ConfigError as err:
+        result = {"error": str(err)}
+    return {"revision": revision, "problems": problems, "result": result,
             "records": [{"stage": r.stage, "h": r.h, "steps": r.steps, "trained": r.trained, "algorithm": r.algorithm,
                          "parent": r.parent[:12], "own": r.own[:12]} for r in records]}
 
