@@ -118,7 +118,7 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     assert problems == []
     assert [(r.stage, r.algorithm) for r in records] == [("babyai_warm_0", "sft"), ("babyai_warm_1", "rft"),
                                                           ("babyai_warm_2", "rft"), ("babyai_warm_3", "dpo"),
-                                                          ("babyai_phase_0", "grpo")]
+                                                          ("babyai_phase_0", "grpo"), ("babyai_gate_0", "gate")]
     assert all(after.parent == before.own for before, after in itertools.pairwise(records))
     assert "round 0: kept" in records[1].trained and "round 1: kept" in records[2].trained
     assert "pairs" in records[3].trained
