@@ -92,7 +92,7 @@ def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo", one_ste
 
 def _one_step_phases(params: str, envs: list[str], phases: int) -> str:
     """``params`` (params.yaml's text, comments kept) with each env's smoke curriculum cut to ``phases``
-    one-step phases and the smoke evaluation to two items x one sample."""
+    one-step phases, the smoke evaluation to two items x one sample and the smoke gates to two items."""
     for env in envs:
         section = re.search(rf"(?ms)^  {env}:\n.*?^      (smoke: \{{[^}}]*\}})", params)
         assert section is not None, f"no smoke curriculum for {env} in params.yaml"
@@ -101,7 +101,9 @@ def _one_step_phases(params: str, envs: list[str], phases: int) -> str:
         params = params[:section.start(1)] + smoke + params[section.end(1):]
     evaluation = re.sub(r"(?m)^(  smoke: \{)items: \d+, k: \d+,", r"\1items: 2, k: 1,", params, count=1)
     assert evaluation != params, "no smoke evaluation in params.yaml"
-    return evaluation
+    gates = re.sub(r"(?m)^(  smoke: \{enabled: true, )items: \d+,", r"\1items: 2,", evaluation, count=1)
+    assert gates != evaluation, "no smoke promotion gate in params.yaml"
+    return gates
 
 
 def _sh(cwd: Path, *cmd: str) -> str:
