@@ -19,7 +19,7 @@ difference, or on its whole 95% interval). Otherwise, as ``on_reject`` says:
 the decision, whether the curriculum stopped), so a changed margin that leaves the decision alone reruns the gate
 and nothing after it; ``decision.json`` holds the whole account and ``summary.json`` (the DVC metric) its figures.
 Every checkpoint's gate evaluation is kept in ``evals/`` under its hash and the settings, so a killed gate resumes
-without sampling twice.
+without sampling twice, and a parent an earlier gate scored (the checkpoint it promoted) is not sampled again.
 """
 
 from __future__ import annotations
@@ -126,8 +126,13 @@ class GateRun:
         digest = checkpoint_hash(checkpoint) if (checkpoint / MANIFEST).exists() else _folder_digest(checkpoint)
         key = hashlib.sha256(json.dumps([digest, settings], sort_keys=True).encode()).hexdigest()[:16]
         cache = self.folder / "evals" / f"{key}.json"
-        if cache.exists():
-            data = json.loads(cache.read_text())
+        # the same checkpoint under the same settings, scored by an earlier gate of the run (its parent, mostly)
+        earlier = [p for p in sorted(self.run.dir.glob(f"gate-*/evals/{key}.json")) if p != cache]
+        if cache.exists() or earlier:
+            data = json.loads((cache if cache.exists() else earlier[0]).read_text())
+            if not cache.exists():
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(cache, json.dumps(data))
         else:
             from training.evaluate import evaluate
 
@@ -226,6 +231,11 @@ def _write(run: Run, index: int, promotion: dict[str, Any], summary: dict[str, A
     metric: the gate's figures as numbers, 1 when the phase's own checkpoint was promoted)."""
     run.retries(index).mkdir(parents=True, exist_ok=True)
     (run.gate(index) / "evals").mkdir(parents=True, exist_ok=True)
+    # each folder lists what it holds (and is never empty, which DVC warns about)
+    atomic_write(run.retries(index) / "index.json", json.dumps(summary.get("retries", []), indent=1))
+    evals = run.gate(index) / "evals"
+    held = sorted(p.name for p in evals.glob("*.json") if p.name != "index.json")
+    atomic_write(evals / "index.json", json.dumps(held))
     atomic_write(run.gate_record(index), json.dumps(summary, indent=1))
     headline = {"gate_parent": summary.get("parent"), "gate_phase": summary.get("candidate"),
                 "gate_diff": summary.get("diff"),
