@@ -61,6 +61,11 @@ def test_each_fault_of_the_paper_run_is_refused_with_the_setting_to_change() -> 
     big = _failures(model="qwen2.5-7b-instruct")
     assert any("no train.paper setting fits" in f and "ZeRO-3" in f for f in big)
     assert any("gpu_memory_utilization to at least 0.42" in f for f in big)
+    # a promotion gate on an environment with no gate items (WebArena's 33 tasks are all in its train and test)
+    gated = copy.deepcopy(load_params())
+    gated["gate"]["paper"]["envs"]["webarena"]["enabled"] = True
+    assert any("gate.paper.envs.webarena.enabled: false" in f
+               for f in _failures(env="webarena", params=gated, model=QWEN3B))
 
 
 def test_the_parameter_count_is_the_models_own() -> None:

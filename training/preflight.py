@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,10 +31,12 @@ from envs.paths import project_root
 from envs.registry import CAPACITY_OPTIONS, backend_capacity
 from training.config import (
     EvalConfig,
+    GateConfig,
     PolicyServerConfig,
     ServerConfig,
     TrainConfig,
     eval_config,
+    gate_config,
     mixed_components,
     policy_server_config,
     server_config,
@@ -179,6 +181,7 @@ class Plan:
     model: ModelShape
     nproc: int
     pool: Pool
+    gate: GateConfig = field(default_factory=lambda: GateConfig(enabled=False))
 
     @property
     def vllm(self) -> bool:
@@ -202,7 +205,7 @@ def plan(env: str, profile: str, pool_name: str = "here", overrides: dict[str, A
                 servers={e: server_config(e, params) for e in components},
                 policy_server=policy_server_config(params),
                 model=model_shape(model or str((params.get("model") or {}).get("preset", "tiny"))),
-                nproc=nproc, pool=machines)
+                nproc=nproc, pool=machines, gate=gate_config(env, profile, params))
 
 
 def check_context(p: Plan) -> Finding:
@@ -454,9 +457,28 @@ def check_versions(p: Plan) -> list[Finding]:
     return findings
 
 
+def check_gate(p: Plan, root: Path | None = None) -> list[Finding]:
+    """The promotion gates (training.gate) against the gate split: a gated environment needs gate items."""
+    if not p.gate.enabled:
+        return []
+    from envs.splits import data_dir, load_split
+
+    try:
+        items = load_split(p.env, "gate", root / "data" if root is not None else data_dir())
+    except FileNotFoundError:
+        return [Finding("gate", True, f"data/{p.env}/gate.json is not written yet (the splits stage writes it)")]
+    if not items:
+        return [Finding("gate", False, f"{p.env} has no gate items (none beyond its train and test splits): set "
+                                       f"gate.{p.profile}.envs.{p.env}.enabled: false in params.yaml")]
+    used = len(items) if p.gate.items is None else min(p.gate.items, len(items))
+    return [Finding("gate", True, f"{used} of {len(items)} gate items x eval k={p.evaluation.k} per checkpoint, "
+                                  f"margin {p.gate.margin:g} ({p.gate.rule}), on_reject {p.gate.on_reject}")]
+
+
 def preflight(p: Plan) -> list[Finding]:
     """Every check's findings for the run ``p``."""
-    return [check_context(p), *check_capacity(p), *check_ranks(p), *check_memory(p), *check_versions(p)]
+    return [check_context(p), *check_capacity(p), *check_ranks(p), *check_memory(p), *check_versions(p),
+            *check_gate(p)]
 
 
 class PreflightError(ValueError):
