@@ -39,12 +39,20 @@ def export_result(env: str, out: Path, root: Path | None = None) -> tuple[Path, 
     result = run_result(env, root)
     run = Run(env, root=root)
     phases = curriculum_config(env, params=load_params(root / "params.yaml")).phases()
-    for phase in phases:
-        if run.final(phase.index) == root / result["checkpoint"]:
-            return export_phase(env, phase.index, out, root), f"phase {phase.index} ({result['decision']})"
-    evaluated = json.loads(run.eval_metrics.read_text())["checkpoints"] if run.eval_metrics.exists() else {}
-    name = next((n for n, c in evaluated.items() if c.get("path") == result["checkpoint"]), None)
-    return _export(run, root / result["checkpoint"], name, None, out), f"{result['checkpoint']} ({result['decision']})"
+    index = next((p.index for p in phases if run.final(p.index) == root / result["checkpoint"]), None)
+    if index is not None:
+        path, what = export_phase(env, index, out, root), f"phase {index} ({result['decision']})"
+    else:  # a retry a gate promoted, or the checkpoint the curriculum started from
+        evaluated = json.loads(run.eval_metrics.read_text())["checkpoints"] if run.eval_metrics.exists() else {}
+        name = next((n for n, c in evaluated.items() if c.get("path") == result["checkpoint"]), None)
+        path, what = _export(run, root / result["checkpoint"], name, None, out), \
+            f"{result['checkpoint']} ({result['decision']})"
+    if result["gate"] is not None:  # the card says why this checkpoint is the one handed on
+        with (path / "README.md").open("a") as card:
+            card.write(f"\n## Promotion\n\nWhat the run hands back: `{result['checkpoint']}`, {result['decision']} at "
+                       f"promotion gate {result['gate']} (gate score {result['score']:.1%} on the gate items; "
+                       f"`scalinginter lineage {env}` shows every gate's decision).\n")
+    return path, what
 
 
 def export_phase(env: str, index: int, out: Path, root: Path | None = None) -> Path:

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from flows.dvc_pipeline import render
-from training.config import GateConfig, load_params, phase_spec
+from flows.export import export_phase, export_result
+from training.config import ConfigError, GateConfig, load_params, phase_spec
 from training.gate import decide, paired_interval, run_gate, run_result
 from training.layout import Run
 from training.lineage import lineage
@@ -140,6 +141,12 @@ def test_stop_promotes_the_parent_and_later_phases_train_nothing(bandit_warm_sta
     assert json.loads(run.summary(2).read_text())["stopped"] == 1
     assert run_gate("bandit", 2, url="http://127.0.0.1:9", root=root)["decision"] == "passed-on"
     assert run_result("bandit", root)["checkpoint"] == "runs/bandit/phase-0/final"
+    # the export hands on the promoted checkpoint, and refuses the rejected one
+    path, what = export_result("bandit", tmp_path / "export", root)
+    assert what == "phase 0 (stopped)" and "## Promotion" in (path / "README.md").read_text()  # by gate 1
+    assert (path / "model.safetensors").read_bytes() == (run.final(0) / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="rejected by its promotion gate"):
+        export_phase("bandit", 1, tmp_path / "rejected", root)
     # the lineage tells it: each gate's decision, and the chain of parents through what the gates promoted
     stages = {f"bandit_{kind}_{k}": {"params": {"phases.yaml": {f"bandit.phase_{k}": {"h": 1, "steps": 3,
                                                                                     "algorithm": "grpo"}}}}
