@@ -269,22 +269,11 @@ def train_phase_cmd(
     machines, SCALINGINTER_NNODES with SCALINGINTER_RDZV_ENDPOINT (the same command on every node)."""
     from pathlib import Path
 
-    from training.config import (
-        ConfigError,
-        PhaseSpec,
-        adaptive_rule,
-        base_model_dir,
-        load_params,
-        policy_server_config,
-        resolve_init,
-        server_config,
-        stopped,
-        train_config,
-    )
+    from training.config import ConfigError, base_model_dir, build_phase_spec, load_params
     from training.phase import run_phase
     from training.strategy import exit_rank
 
-    envs = _check_envs(env)
+    _check_envs(env)
     from training.devices import DeviceError, launcher_args
 
     try:
@@ -300,13 +289,8 @@ def train_phase_cmd(
     try:
         overrides = _pairs(set_ or [])
         params = load_params()
-        start = Path(init) if init else base_model_dir(params)
-        spec = PhaseSpec(env=env, index=phase, h=h, steps=steps, out=Path(out), init=resolve_init(start),
-                         stopped=stopped(start),
-                         train=train_config(env, profile, overrides, params), server=server_config(env, params),
-                         servers={e: server_config(e, params) for e in envs} if len(envs) > 1 else {},
-                         policy_server=policy_server_config(params),
-                         adaptive=adaptive_rule(env, phase, profile, params) if adaptive else None)
+        spec = build_phase_spec(env, phase, h, steps, Path(init) if init else base_model_dir(params), Path(out),
+                                params, profile, overrides, adaptive)
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     final = run_phase(spec, url, progress=True, policy_url=policy_url)

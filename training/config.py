@@ -483,24 +483,35 @@ def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> 
     params = load_params(root / "params.yaml")
     profile = params.get("curriculum", {}).get("profile", "smoke")
     run = Run(env, fixed_h, root)
-    adaptive, stop = None, False
     if fixed_h is None:
         table = _phases_file(root).get(env, {})
         if f"phase_{index}" not in table:
             raise ConfigError(f"phases.yaml has no {env}.phase_{index}: run `scalinginter pipeline`")
         row = table[f"phase_{index}"]
         h, steps = int(row["h"]), int(row["steps"])
-        init, stop = ((start_checkpoint(env, params, root, profile), False) if index == 0
-                      else previous_checkpoint(env, index, root, params))
-        adaptive = adaptive_rule(env, index, profile, params)
+        init = start_checkpoint(env, params, root, profile) if index == 0 else previous_checkpoint(env, index, root,
+                                                                                                  params)
     else:  # from the same start as the curriculum, so the two compare fairly
         h, steps = fixed_h, curriculum_config(env, profile, params).total_steps
         init = start_checkpoint(env, params, root, profile)
+    return build_phase_spec(env, index, h, steps, init, run.phase(index), params, profile,
+                            adaptive=fixed_h is None, root=root)
+
+
+def build_phase_spec(env: str, index: int, h: int, steps: int, init: Path, out: Path, params: dict[str, Any],
+                     profile: str | None = None, overrides: dict[str, Any] | None = None, adaptive: bool = True,
+                     root: Path = Path(".")) -> PhaseSpec:
+    """The one builder of a phase's spec from settings: the pipeline's (:func:`phase_spec`) and the CLI's
+    ``train-phase``. ``init``: a checkpoint, or a promotion gate's promotion.json (its checkpoint; a gate that
+    ended the curriculum makes the phase train nothing); ``adaptive``: the curriculum's adaptive rule applies
+    (in adaptive mode, never on the last phase); ``overrides``: TrainConfig fields over params.yaml's."""
     components = mixed_components(env, params)  # the mixed run trains on its environments, joined by commas
-    return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=init, out=run.phase(index),
-                     train=train_config(env, profile, params=params), server=server_config(env, params),
+    return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=resolve_init(init, root),
+                     stopped=stopped(init, root), out=out, train=train_config(env, profile, overrides, params),
+                     server=server_config(env, params),
                      servers={e: server_config(e, params) for e in components} if len(components) > 1 else {},
-                     policy_server=policy_server_config(params), adaptive=adaptive, stopped=stop)
+                     policy_server=policy_server_config(params),
+                     adaptive=adaptive_rule(env, index, profile, params) if adaptive else None)
 
 
 def read_promotion(path: Path) -> dict[str, Any]:
@@ -519,13 +530,11 @@ def resolve_init(init: Path, root: Path = Path(".")) -> Path:
     return init
 
 
-def previous_checkpoint(env: str, index: int, root: Path, params: dict[str, Any]) -> tuple[Path, bool]:
-    """(what phase ``index`` > 0 starts from, whether a gate stopped the curriculum before it): what the previous
-    phase's gate promoted (params.yaml ``gate``), or, ungated, the previous phase's final checkpoint."""
+def previous_checkpoint(env: str, index: int, root: Path, params: dict[str, Any]) -> Path:
+    """What phase ``index`` > 0 starts from: the previous phase's gate's promotion.json (params.yaml ``gate``;
+    :func:`resolve_init` reads the checkpoint it names), or, ungated, the previous phase's final checkpoint."""
     run = Run(env, root=root)
-    if gate_config(env, params=params).enabled:
-        return resolve_init(run.promotion(index - 1), root), stopped(run.promotion(index - 1), root)
-    return run.final(index - 1), False
+    return run.promotion(index - 1) if gate_config(env, params=params).enabled else run.final(index - 1)
 
 
 def stopped(init: Path, root: Path = Path(".")) -> bool:
