@@ -15,7 +15,7 @@ queue for a second after their last message; on 2 cores a generation that starts
 of tiny batches several times slower); medians reported. Then ``--syncs`` weight syncs are timed both ways:
 ``sync`` saves a checkpoint folder the server loads in place; ``sync_collective`` broadcasts the tensors over a
 gloo group with the process that runs the server's model (NCCL or HCCL on accelerators; one server only); each is
-verified by the probe (on every replica). Prints a JSON line; the figures in the README come from it.
+verified by the probe (on every replica). Prints a JSON line; the figures in docs/measurements.md come from it.
 """
 
 from __future__ import annotations

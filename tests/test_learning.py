@@ -1,7 +1,7 @@
 """The trainers learn: on the bandit (one action pays), RL after a 50/50 SFT warm start raises success.
 
 The setting sits far from any knife edge (measured over 8 training seeds per algorithm by
-``benchmarks/bandit_learning_seeds.py``, figures in the README): lr 3e-4 over 12 steps, and no update on a
+``benchmarks/bandit_learning_seeds.py``, figures in docs/guide/tests.md): lr 3e-4 over 12 steps, and no update on a
 step whose groups all agree. At lr 1e-3 the tiny policy learns "right" within 3-4 steps and then wrecks
 itself on the steps after: with every group flat, Adam's momentum keeps pushing the "right" logit up
 everywhere ("right right right ...") until success falls to 0, so the outcome depended on the step at

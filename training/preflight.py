@@ -381,7 +381,7 @@ def check_memory(p: Plan) -> list[Finding]:
     hint = ("set " + ", ".join(f"train.{p.profile}.{n}" for n in names) if names else
             f"no train.{p.profile} setting fits this model's weights, reference and optimizer states on one device: "
             f"use a smaller model, LoRA (train.{p.profile}.lora: {{r: 16}}, strategy torch), or devices with more "
-            "memory (ZeRO-3, which would shard the weights, is not a training phase's: see the README)")
+            "memory (ZeRO-3, which would shard the weights, is not a training phase's: see docs/guide/training.md)")
     if "vllm" in parts:
         hint += (f"; or lower policy_server.gpu_memory_utilization ({p.policy_server.gpu_memory_utilization}), "
                  "or give the policy server devices of its own (policy_server.placement: own)")
