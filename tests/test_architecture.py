@@ -54,3 +54,17 @@ def test_every_environment_variable_the_code_reads_is_on_the_settings_page() -> 
     listed = set(re.findall(r"`(SCALINGINTER_[A-Z0-9_]+)`", (ROOT / "docs" / "environment.md").read_text()))
     assert used - listed == set(), f"read by the code, missing from docs/environment.md: {sorted(used - listed)}"
     assert listed - used == set(), f"on docs/environment.md, read nowhere: {sorted(listed - used)}"
+
+
+def test_the_readme_and_the_guide_link_only_to_files_that_exist() -> None:
+    """The README is short and points into docs/; every relative link of it and of the guide pages resolves."""
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert broken == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150  # a newcomer's page; the detail is in docs/
