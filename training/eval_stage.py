@@ -11,9 +11,10 @@ command, the CLI and the Prefect flow (in its own process, ``tasks.pipeline.eval
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,24 +133,34 @@ def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url:
                      folders: dict[str, Path], progress: Callable[[str], None] | None,
                      policy_url: str | None = None) -> dict[str, Any]:
     items = stratified_head(load_split(env, "test"), config.items)
+    with eval_servers(env, params, config, url, policy_url, next(iter(folders.values()))) as (base, served, batch):
+        return evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
+                                    max_new_tokens=config.max_new_tokens, seed=config.seed, batch_items=batch(),
+                                    progress=progress, context_budget=config.context_budget or 8192,
+                                    device=config.device, policy_url=served, policy_server=policy_server_config(params),
+                                    prefix_cache_gb=config.prefix_cache_gb)
+
+
+@contextlib.contextmanager
+def eval_servers(env: str, params: dict[str, Any], config: Any, url: str | None, policy_url: str | None,
+                 first: Path) -> Iterator[tuple[str, str | None, Callable[[], int]]]:
+    """(environment URL, vLLM URL or None, how many items to roll out at once) for sampling as ``config`` (an
+    EvalConfig) says: the servers given, else started here on ``first`` and stopped after (the evaluation stage and the
+    promotion gates). The vLLM server is the one ``engine: vllm`` loads each checkpoint into."""
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
-        # k live instances per item; a simulator or browser pool bounds how many items run at once
-        capacity = server_capacity(base)
-        batch_items = config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
-        budget = config.context_budget or 8192
-        server = policy_server_config(params)
-        if config.engine != "vllm":
-            policy_url = None
-        else:  # one server, loaded with each checkpoint in turn
-            policy_url = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
-                running_vllm(next(iter(folders.values())), server, server.max_len(budget, config.max_new_tokens)))
-        result = evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
-                                      max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                      batch_items=batch_items, progress=progress, context_budget=budget,
-                                      device=config.device, policy_url=policy_url,
-                                      policy_server=server, prefix_cache_gb=config.prefix_cache_gb)
-    return result
+        @functools.cache
+        def batch_items() -> int:  # asked when sampling starts (a run answered from a cache asks no server)
+            # k live instances per item; a simulator or browser pool bounds how many items run at once
+            capacity = server_capacity(base)
+            return config.batch_items if not capacity else max(1, min(config.batch_items, capacity // config.k))
+
+        served = None
+        if config.engine == "vllm":  # one server, loaded with each checkpoint in turn
+            server = policy_server_config(params)
+            served = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
+                running_vllm(first, server, server.max_len(config.context_budget or 8192, config.max_new_tokens)))
+        yield base, served, batch_items
 
 
 def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h: int, url: str | None,

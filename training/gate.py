@@ -24,22 +24,19 @@ without sampling twice, and a parent an earlier gate scored (the checkpoint it p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from envs.files import atomic_write
-from envs.launcher import running_replicas
 from envs.paths import project_root
 from envs.splits import load_split
-from training.checkpoint import MANIFEST, checkpoint_hash, read_manifest
+from training.checkpoint import folder_hash
 from training.config import (
     ConfigError,
     GateConfig,
@@ -51,8 +48,8 @@ from training.config import (
     phase_spec,
     policy_server_config,
     read_promotion,
-    server_config,
 )
+from training.eval_stage import eval_servers, stratified_head
 from training.layout import Run
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
@@ -84,17 +81,11 @@ def decide(before: np.ndarray, after: np.ndarray, config: GateConfig) -> dict[st
             "margin": config.margin, "rule": config.rule, "passed": bool(passed)}
 
 
-def stopped_before(env: str, index: int, root: Path) -> bool:
-    """Whether a gate before phase ``index`` stopped the curriculum (``on_reject: stop``)."""
-    if index == 0 or not gate_config(env, params=load_params(root / "params.yaml")).enabled:
-        return False
-    return bool(read_promotion(Run(env, root=root).promotion(index - 1)).get("stop"))
-
-
 class GateRun:
     """One gate: its settings, items and servers, and a cache of every checkpoint's gate evaluation."""
 
     def __init__(self, env: str, index: int, root: Path, url: str, policy_url: str | None,
+                 batch_items: Callable[[], int],
                  progress: Callable[[str], None] | None = None) -> None:
         params = load_params(root / "params.yaml")
         self.env, self.index, self.root, self.url, self.policy_url = env, index, root, url, policy_url
@@ -106,12 +97,10 @@ class GateRun:
         if not items:
             raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
                               f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
-        from training.eval_stage import stratified_head
-
         self.items = [r["item_id"] for r in stratified_head(items, self.config.items)]
         self.run = Run(env, root=root)
         self.folder = self.run.gate(index)
-        self.progress = progress
+        self.progress, self.batch_items = progress, batch_items
         self.episodes = 0  # rollouts sampled by this gate (cached ones not counted)
 
     def settings(self) -> dict[str, Any]:
@@ -123,7 +112,7 @@ class GateRun:
         """``checkpoint`` on the gate items: items x samples of the gate's metric (from the cache when there)."""
         checkpoint = checkpoint if checkpoint.is_absolute() else self.root / checkpoint
         settings = self.settings()
-        digest = checkpoint_hash(checkpoint) if (checkpoint / MANIFEST).exists() else _folder_digest(checkpoint)
+        digest = folder_hash(checkpoint)
         key = hashlib.sha256(json.dumps([digest, settings], sort_keys=True).encode()).hexdigest()[:16]
         cache = self.folder / "evals" / f"{key}.json"
         # the same checkpoint under the same settings, scored by an earlier gate of the run (its parent, mostly)
@@ -140,9 +129,9 @@ class GateRun:
                 self.progress(f"gate {self.index}: evaluating {checkpoint}")
             result = evaluate(checkpoint, self.env, self.url, self.items, h=self.h, k=self.eval.k,
                               temperature=self.eval.temperature, max_new_tokens=self.eval.max_new_tokens,
-                              seed=self.eval.seed, batch_items=self.eval.batch_items,
+                              seed=self.eval.seed, batch_items=self.batch_items(),
                               context_budget=self.eval.context_budget or 8192, device=self.eval.device,
-                              policy_url=self.policy_url if self.eval.engine == "vllm" else None,
+                              policy_url=self.policy_url,
                               policy_server=self.server, prefix_cache_gb=self.eval.prefix_cache_gb)
             self.episodes += len(self.items) * self.eval.k
             data = {"checkpoint": str(checkpoint.relative_to(self.root)) if checkpoint.is_relative_to(self.root)
@@ -154,20 +143,9 @@ class GateRun:
         return np.asarray(data[self.config.metric], dtype=float)
 
 
-def _folder_digest(folder: Path) -> str:
-    """A base model without a manifest: its files' names and sizes (the build is deterministic)."""
-    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
-
-
 def _rel(path: Path, root: Path) -> str:
     path = path if path.is_absolute() else root / path
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
-
-
-def _checkpoint_id(path: Path, root: Path) -> str | None:
-    path = path if path.is_absolute() else root / path
-    return read_manifest(path)["hash"] if (path / MANIFEST).exists() else None
 
 
 def run_gate(env: str, index: int, url: str | None = None, root: Path | None = None, policy_url: str | None = None,
@@ -184,14 +162,14 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
     spec = phase_spec(env, index, root)
     parent, candidate = spec.init, run.final(index)
     started = time.perf_counter()
-    if stopped_before(env, index, root):  # the curriculum ended at an earlier gate: pass its checkpoint on
+    if spec.stopped:  # the curriculum ended at an earlier gate: pass its checkpoint on
         earlier = read_promotion(run.promotion(index - 1))
         summary = {"decision": "passed-on", "stop": True, "checkpoint": earlier["checkpoint"],
                    "note": "the curriculum stopped at an earlier gate; this phase trained nothing"}
         return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
                                                                                       "stop": True}, summary)
-    with _servers(env, params, url, policy_url, parent) as (base, served):
-        gate = GateRun(env, index, root, base, served, progress)
+    with eval_servers(env, params, eval_config(env, params=params), url, policy_url, parent) as (base, served, batch):
+        gate = GateRun(env, index, root, base, served, batch, progress)
         before = gate.outcomes(parent)
         first = decide(before, gate.outcomes(candidate), config)
         retries: list[dict[str, Any]] = []
@@ -215,7 +193,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                         break
         episodes = gate.episodes
         settings = gate.settings()
-    promotion = {"checkpoint": _rel(chosen, root), "hash": _checkpoint_id(chosen, root), "decision": decision,
+    promotion = {"checkpoint": _rel(chosen, root), "hash": folder_hash(root / chosen), "decision": decision,
                  "stop": stop}
     summary = {"decision": decision, "stop": stop, "checkpoint": promotion["checkpoint"],
                "parent_checkpoint": _rel(parent, root), "phase_checkpoint": _rel(candidate, root),
@@ -265,23 +243,6 @@ def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_
 
     retry = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": lr})})
     return run_phase(retry, url, policy_url=policy_url)
-
-
-@contextlib.contextmanager
-def _servers(env: str, params: dict[str, Any], url: str | None, policy_url: str | None, first: Path
-             ) -> Iterator[tuple[str, str | None]]:
-    """(environment URL, vLLM URL or None): those given, else started here for the gate and stopped after."""
-    config = eval_config(env, params=params)
-    with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
-        served = None
-        if config.engine == "vllm":
-            from training.vllm_engine import running_vllm
-
-            server = policy_server_config(params)
-            served = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
-                running_vllm(first, server, server.max_len(config.context_budget or 8192, config.max_new_tokens)))
-        yield base, served
 
 
 def run_result(env: str, root: Path | None = None) -> dict[str, Any]:

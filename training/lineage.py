@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from training.checkpoint import CheckpointError, folder_hash, read_manifest
+from training.checkpoint import MANIFEST, CheckpointError, folder_hash, read_manifest
 from training.config import base_model_dir, load_params
 from training.gate import gate_text
 from training.layout import Run
@@ -178,6 +178,5 @@ def _gate_record(env: str, index: int, stages: dict[str, Any], root: Path, probl
     promoted = json.loads(run.promotion(index).read_text())
     if promoted["checkpoint"] != record["checkpoint"]:
         problems.append(f"{name}: promotion.json names {promoted['checkpoint']}, decision.json {record['checkpoint']}")
-    phase = read_manifest(run.final(index))["hash"] if (run.final(index) / "manifest.json").exists() else "-"
-    own = promoted.get("hash") or folder_hash(root / promoted["checkpoint"])
-    return [PhaseRecord(name, record.get("h", 0), 0, "gate", phase, own, summary=gate_text(record))]
+    phase = read_manifest(run.final(index))["hash"] if (run.final(index) / MANIFEST).exists() else "-"
+    return [PhaseRecord(name, record.get("h", 0), 0, "gate", phase, promoted["hash"], summary=gate_text(record))]
