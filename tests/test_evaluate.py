@@ -138,3 +138,20 @@ def test_the_closing_line_compares_the_last_phase_with_the_warm_start_paired() -
     evaluation, per_item = _run({"base": better, "phase-0": wins})
     worse = training_effect(evaluation["checkpoints"], per_item)
     assert worse["verdict"] == "worse" and worse["success"]["ci95"][1] < 0
+
+
+def test_eval_sub_tasks_choose_the_test_and_gate_items_and_an_unknown_one_names_the_key() -> None:
+    from envs.splits import load_split
+    from training.config import ConfigError, EvalConfig
+    from training.eval_stage import test_items
+
+    every = test_items("babyai", EvalConfig(items=12))
+    assert len({r["sub_task"] for r in every}) > 1  # round-robin over the sub-tasks
+    goto = test_items("babyai", EvalConfig(sub_tasks=["GoTo"]))
+    assert goto == [r for r in load_split("babyai", "test") if r["sub_task"] == "GoTo"] and len(goto) == 25
+    assert [r["item_id"] for r in test_items("babyai", EvalConfig(items=5, sub_tasks=["GoTo"]))] == \
+        [r["item_id"] for r in goto[:5]]
+    gate = test_items("babyai", EvalConfig(items=4, sub_tasks=["GoTo", "Open"]), "gate")
+    assert len(gate) == 4 and {r["sub_task"] for r in gate} == {"GoTo", "Open"}
+    with pytest.raises(ConfigError, match=r"eval.<profile>.envs.babyai.sub_tasks \['Fly'\]"):
+        test_items("babyai", EvalConfig(sub_tasks=["Fly"]))

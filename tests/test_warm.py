@@ -143,3 +143,24 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     assert _ran(_sh(work, "dvc", "repro", "babyai_phase_0")) == ["babyai_warm_3", "babyai_phase_0"]
     records, problems, _ = lineage("babyai", work)
     assert problems == [] and records[3].own != broken and records[4].parent == records[3].own
+
+
+def test_sft_batches_by_length_pad_less_and_see_every_episode_once_an_epoch() -> None:
+    import random
+
+    from training.sft import epoch_batches
+
+    draw = random.Random(7)
+    lengths = [draw.randrange(100, 2000) for _ in range(203)]
+    plain = epoch_batches(lengths, 8, random.Random(3))
+    order = list(range(203))
+    random.Random(3).shuffle(order)
+    assert plain == [order[s:s + 8] for s in range(0, 203, 8)]  # off: the shuffle-and-cut of before, unchanged
+
+    def padded(batches: list[list[int]]) -> int:
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    grouped = epoch_batches(lengths, 8, random.Random(3), group_by_length=True)
+    assert sorted(i for b in grouped for i in b) == list(range(203)) and max(len(b) for b in grouped) == 8
+    assert padded(grouped) < 0.8 * padded(plain)
+    assert grouped != epoch_batches(lengths, 8, random.Random(4), group_by_length=True)  # shuffled each epoch

@@ -19,7 +19,7 @@ from training.guard import GuardConfig
 from training.layout import Run, base_model
 from training.lora import LoraSettings
 from training.losses import LossAggregation
-from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
+from training.warm import GROUP_BY_LENGTH_HELP, PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 
 class ConfigError(ValueError):
@@ -262,6 +262,7 @@ class SFTConfig(BaseModel):
     batch_size: int = Field(8, ge=1)
     max_tokens: int = Field(2048, ge=16, description="longest episode trained on, in tokens; longer ones are left "
                             "out and counted (a batch's logits take batch x tokens x vocabulary floats)")
+    group_by_length: bool = Field(False, description=GROUP_BY_LENGTH_HELP)
     seed: int = 0
     device: str = "cpu"
     lora: LoraSettings | None = Field(None, description="train LoRA adapters only (merged into the checkpoint)")
@@ -272,6 +273,8 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     items: int | None = Field(None, ge=1, description="first N test items (stratified split order); None: all")
+    sub_tasks: list[str] | None = Field(None, description="only test items of these sub-tasks (e.g. ['GoTo']; the "
+                                        "promotion gate's items too); None: every sub-task")
     k: int = Field(1, ge=1, description="samples per item (Avg@k, Pass@k)")
     temperature: float = Field(1.0, ge=0, description="0 is greedy (then k must be 1)")
     max_new_tokens: int = Field(48, ge=1)

@@ -92,6 +92,18 @@ def stratified_head(records: list[dict[str, Any]], n: int | None) -> list[dict[s
     return out
 
 
+def test_items(env: str, config: Any, split: str = "test", data: Path | None = None) -> list[dict[str, Any]]:
+    """The items ``config`` (an ``EvalConfig``) evaluates from ``split``: its ``sub_tasks`` only (all when None),
+    then the first ``items`` of them round-robin over sub-tasks."""
+    rows = load_split(env, split, data)
+    if config.sub_tasks:
+        rows = [r for r in rows if r.get("sub_task") in config.sub_tasks]
+        if not rows:
+            raise ConfigError(f"eval.<profile>.envs.{env}.sub_tasks {config.sub_tasks}: the {env} {split} split holds "
+                              f"no item of these sub-tasks; name ones data/{env}/{split}.json has, or remove it")
+    return stratified_head(rows, config.items)
+
+
 def run_eval(env: str, profile: str | None = None, url: str | None = None, root: Path | None = None,
              progress: Callable[[str], None] | None = None, baseline: int | None = None,
              policy_url: str | None = None) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def eval_summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url: str | None,
                      folders: dict[str, Path], progress: Callable[[str], None] | None,
                      policy_url: str | None = None) -> dict[str, Any]:
-    items = stratified_head(load_split(env, "test"), config.items)
+    items = test_items(env, config)
     with eval_servers(env, params, config, url, policy_url, next(iter(folders.values()))) as (base, served, batch):
         return evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
                                     max_new_tokens=config.max_new_tokens, seed=config.seed, batch_items=batch(),
@@ -171,6 +183,9 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
 
     if config.engine == "vllm":
         raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
+    if config.sub_tasks:
+        raise ConfigError("the mixed run evaluates every sub-task of each environment: remove "
+                          "eval.<profile>.envs.mixed.sub_tasks")
     envs = mixed_components(MIXED, params)
     caps = {e: s.max_h for e, s in train_config(MIXED, profile, params=params).mix.items()}
     with contextlib.ExitStack() as stack:
@@ -196,7 +211,7 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
     params = load_params(root / "params.yaml")
     config = eval_config(env, profile, params)
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
-    items = stratified_head(load_split(env, "test"), config.items)
+    items = test_items(env, config)
     key = os.environ.get("SCALINGINTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))

@@ -49,7 +49,7 @@ from training.config import (
     policy_server_config,
     read_promotion,
 )
-from training.eval_stage import eval_servers, stratified_head
+from training.eval_stage import eval_servers, test_items
 from training.layout import Run
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
@@ -93,11 +93,12 @@ class GateRun:
         self.eval = eval_config(env, params=params)
         self.h = self.eval.h or curriculum_config(env, params=params).phases()[-1].h
         self.server = policy_server_config(params)
-        items = load_split(env, "gate", root / "data")
-        if not items:
+        if not load_split(env, "gate", root / "data"):
             raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
                               f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
-        self.items = [r["item_id"] for r in stratified_head(items, self.config.items)]
+        # the evaluation's sub-tasks, the gate's own item count
+        self.items = [r["item_id"] for r in test_items(env, self.eval.model_copy(update={"items": self.config.items}),
+                                                       "gate", root / "data")]
         self.run = Run(env, root=root)
         self.folder = self.run.gate(index)
         self.progress, self.batch_items = progress, batch_items

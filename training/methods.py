@@ -40,7 +40,8 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
     out.mkdir(parents=True, exist_ok=True)
     lora = lora_of_rank(stage.lora_r)
     sft_config = SFTConfig(epochs=stage.epochs, lr=stage.lr, seed=stage.seed, lora=lora, device=device,
-                           **({"batch_size": stage.batch_size, "max_tokens": stage.max_tokens}
+                           **({"batch_size": stage.batch_size, "max_tokens": stage.max_tokens,
+                                 "group_by_length": stage.group_by_length}
                               if isinstance(stage, SFTStage) else {}))
     if isinstance(stage, SFTStage):
         return _sft_stage(env, stage, init, out, sft_config, record, progress)

@@ -116,11 +116,12 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]] | dict[s
     rng = random.Random(config.seed)
     model.train()
     losses = []
+    padded = 0
     for _ in tqdm(range(config.epochs), desc="sft", disable=not progress):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        for start in range(0, len(order), config.batch_size):
-            batch = collate([examples[i] for i in order[start:start + config.batch_size]], tokenizer.pad_token_id)
+        for rows in epoch_batches([len(e.input_ids) for e in examples], config.batch_size, rng,
+                                  config.group_by_length):
+            batch = collate([examples[i] for i in rows], tokenizer.pad_token_id)
+            padded += batch.input_ids.numel()
             ids = batch.input_ids.to(device)
             logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
             mask = batch.mask.to(device)
@@ -134,8 +135,27 @@ def sft(init: Path, out: Path, conversations: list[list[dict[str, str]] | dict[s
     fields = {"kind": "sft", "parent": folder_hash(init), "config": config.model_dump(), "episodes": len(examples),
               "episodes_over_max_tokens": dropped,
               "recorded_token_ids": exact, "final_loss": losses[-1], "first_loss": losses[0],
+              "padded_share": round(1 - config.epochs * sum(len(e.input_ids) for e in examples) / padded, 4),
               **(record or {})}
     return save_policy(out, model, tokenizer, config.lora, fields)
+
+
+def epoch_batches(lengths: list[int], batch_size: int, rng: random.Random, group_by_length: bool = False,
+                  window: int = 16) -> list[list[int]]:
+    """One epoch's batches of example indices: a shuffled order cut into batches; with ``group_by_length``, each
+    window of ``window`` batches of that order sorted by length before it is cut, and the batches then shuffled
+    (every example once per epoch either way; batches of like lengths pad less)."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if not group_by_length:
+        return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    span = batch_size * window
+    batches = []
+    for w in range(0, len(order), span):
+        part = sorted(order[w:w + span], key=lambda i: lengths[i])
+        batches += [part[s:s + batch_size] for s in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def save_policy(out: Path, model: Any, tokenizer: Any, lora: Any, record: dict[str, Any]) -> Path:

@@ -27,6 +27,8 @@ METHODS = ("sft", "rft", "dpo")
 
 #: the hf engine's prefix cache, a setting of whatever samples: RL phases, evaluation, RFT and DPO sampling
 PREFIX_CACHE_GB = 1.0
+GROUP_BY_LENGTH_HELP = ("batches of episodes of similar length (shuffled within windows of 16 batches, then the "
+                        "batches shuffled): less padding, the same episodes each epoch, a different batch mix")
 PREFIX_CACHE_HELP = ("hf engine: GiB of KV kept from each sequence's turn, so that the next turn of its conversation "
                      "prefills only the tokens added since (0: the whole context again each turn; the same tokens and "
                      "log-probs within float rounding)")
@@ -61,6 +63,7 @@ class SFTStage(_Method):
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(8, ge=1)
     max_tokens: int = Field(2048, ge=16, description="longest episode trained on (longer ones left out, counted)")
+    group_by_length: bool = Field(False, description=GROUP_BY_LENGTH_HELP)
 
     @model_validator(mode="after")
     def _recorded_or_expert(self) -> SFTStage:
