@@ -65,7 +65,7 @@ check-browser:
 	  { echo "Debian's chromium is needed by the browser tests: sudo apt-get install chromium"; exit 1; }
 
 run: install
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env sciworld --profile smoke
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/scalinginter run --env babyai --profile smoke
 
 # Two xdist workers, one test at a time each (the slow tests first, see tests/conftest.py);
 # `make test XDIST="-p no:xdist"` runs the suite sequentially in one process.

@@ -28,8 +28,6 @@ goals of some colours, and the held-out items are also reported split by seen an
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from pathlib import Path
 import torch
 
 from envs.babyai.client import Spec
+from envs.babyai.expert import GOTO_GOAL, sighted_reply
 from envs.launcher import running_server
 from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
@@ -49,7 +48,7 @@ from training.trainer import train_phase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 
-GOAL = re.compile(r"Your goal: go to (?:the|a) (.+)")
+GOAL = GOTO_GOAL
 COLOURS = ("red", "green", "blue", "purple", "yellow", "grey")
 
 
@@ -59,26 +58,16 @@ def goal_colour(episode: list[dict[str, str]]) -> str | None:
     return words[0] if words[0] in COLOURS else None
 
 
-def goto_reply(first_observation: str, observation: str) -> str:
-    """The high-level expert: go to the goal object when it is visible, otherwise turn left."""
-    target = GOAL.search(first_observation).group(1).split()
-    actions = json.loads(observation[observation.index("Available actions: ") + len("Available actions: "):])
-    for action in actions:
-        words = action.split()
-        if action.startswith("go to ") and all(w in words for w in target):
-            return f"Thought: the {' '.join(target)} is in sight.\nAction: {action}"
-    return "Thought: I do not see it yet.\nAction: turn left"
-
-
 def expert_episode(client: LocalEnvClient, item: str, max_turns: int) -> list[dict[str, str]] | None:
-    """The high-level expert's episode on ``item`` in the rollout's message format, or None if it fails."""
+    """The sighted expert's episode on ``item`` (``envs.babyai.expert.sighted_reply``) in the rollout's message
+    format, or None if it fails."""
     human, gpt = Spec.conversation_start
     first = client.reset(item_index(item)).observation
     messages = [{"role": "user", "content": human["value"]}, {"role": "assistant", "content": gpt["value"]},
                 {"role": "user", "content": first}]
     observation = first
     for _ in range(max_turns):
-        reply = goto_reply(first, observation)
+        reply = sighted_reply(first, observation)
         step = client.step(reply)
         messages.append({"role": "assistant", "content": reply})
         if step.done:

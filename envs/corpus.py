@@ -43,9 +43,14 @@ class _Recorder:
 
 def recorded_episode(env: str, client: Any, data_idx: int) -> list[str]:
     """Play the expert on ``data_idx``: [first observation, reply 1, observation 1, reply 2, ...]."""
+    return played_episode(env, client, data_idx)[0]
+
+
+def played_episode(env: str, client: Any, data_idx: int, which: str = "default") -> tuple[list[str], bool]:
+    """:func:`recorded_episode` of the expert ``which`` (``envs.registry.expert``), and whether it succeeded."""
     texts: list[str] = []
-    expert(env)(_Recorder(client, texts), data_idx)
-    return texts
+    out = expert(env, which)(_Recorder(client, texts), data_idx)
+    return texts, bool(out.done and out.success)
 
 
 def expert_corpus(episodes: dict[str, int] | None = None) -> Iterator[str]:

@@ -55,10 +55,17 @@ def async_client_class(name: str) -> type[AsyncBaseEnvClient]:
     return _attr(f"envs.{name}.client", "AsyncClient")
 
 
-def expert(name: str) -> Any:
-    """The expert episode runner ``solve(client, data_idx) -> StepOutput`` of environment ``name``."""
+def expert(name: str, which: str = "default") -> Any:
+    """The expert episode runner ``solve(client, data_idx) -> StepOutput`` of environment ``name``: its own
+    (``default``), or another it offers as ``solve_<which>`` in ``envs/<name>/expert.py`` (BabyAI: ``sighted``)."""
     _check(name)
-    return _attr(f"envs.{name}.expert", "solve")
+    if which == "default":
+        return _attr(f"envs.{name}.expert", "solve")
+    module = importlib.import_module(f"envs.{name}.expert")
+    if not hasattr(module, f"solve_{which}"):
+        offered = ["default", *(n.removeprefix("solve_") for n in dir(module) if n.startswith("solve_"))]
+        raise ValueError(f"{name} has no expert {which!r}: it offers {', '.join(offered)}")
+    return getattr(module, f"solve_{which}")
 
 
 #: the backend option that bounds an environment's live instances (one JVM / browser context each)

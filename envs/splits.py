@@ -1,4 +1,4 @@
-"""Deterministic task splits: ``data/<env>/{train,test,gate}.json``.
+"""Deterministic task splits: ``data/<env>/{train,test,gate,warm}.json``.
 
 Each split is a JSON list of ``{"item_id": "<env>_<idx>", "sub_task": <label>}`` sorted by index. The
 test items are a seeded sample of the index space stratified by sub-task (so every sub-task is in the
@@ -9,6 +9,11 @@ The gate items (``gate.json``, the promotion gates' own held-out items, ``traini
 :data:`GATE_ITEMS` items that neither split holds, stratified the same way: those the environment has beyond
 its train and test items, or, where the split's index space is set here (BabyAI's generated levels), the
 indices after it. An environment with no item to spare (WebArena's 33 tasks) has an empty gate split.
+
+The warm items (``warm.json``) are demonstration items for a warm start (``split: warm`` of a warm-start stage,
+``training.warm``): :data:`WARM_ITEMS` indices after the gate's, where the environment generates items without
+end (BabyAI's levels), so a warm start can learn from many more expert episodes than the training split holds
+without touching an evaluated item. Every other environment has an empty warm split.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ SPLIT_SIZES: dict[str, tuple[int | None, int, int]] = {
     "webarena": (None, 21, 12),
     "bandit": (64, 48, 16),
 }
+#: the warm split's size where the environment's items never run out (BabyAI)
+WARM_ITEMS = 4000
+
 #: the most gate items a split offers (``gate.<profile>.items`` takes the first N of them, stratified)
 GATE_ITEMS = 64
 
@@ -102,6 +110,9 @@ def write_splits(env: str, backend: Any, out_dir: Path | None = None, seed: int 
     taken = {item_index(r["item_id"]) for rows in split.values() for r in rows}
     left = {i: labels[i] for i in range(size) if i not in taken} | {i: backend.sub_task(i) for i in spare}
     split["gate"] = gate_split(env, left, seed=seed) if left else []
+    start = size + GATE_ITEMS  # after every index the splits and the gate draw from
+    split["warm"] = [{"item_id": f"{env}_{i}", "sub_task": backend.sub_task(i)}
+                     for i in range(start, start + WARM_ITEMS)] if backend.num_items is None else []
     paths = {}
     for name, rows in split.items():
         path = out_dir / env / f"{name}.json"

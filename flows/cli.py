@@ -840,7 +840,7 @@ def report(
 def run(
     env: Annotated[str, typer.Option(help="environment whose curriculum to train; several joined by commas "
                                           "(babyai,textcraft,deepsearch): one policy over all of them, the "
-                                          "pipeline's mixed run")] = "sciworld",
+                                          "pipeline's mixed run")] = "babyai",
     profile: Annotated[str, typer.Option(help="params.yaml profile")] = "smoke",
     record: Annotated[str, typer.Option(help="how the lineage is kept: commit (dvc.lock on this branch), exp (a DVC "
                                              "experiment) or none")] = "commit",

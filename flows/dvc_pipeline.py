@@ -144,7 +144,7 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                 # in git, not the DVC cache; persistent, so a command that fails to start (a `python` without the
                 # project, say) leaves the committed files in place: DVC deletes other outs before running
                 "outs": [{f"data/${{item}}/{split}.json": {"cache": False, "persist": True}}
-                         for split in ("train", "test", "gate")],
+                         for split in ("train", "test", "gate", "warm")],
             },
         },
     }
@@ -158,14 +158,16 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
         phases = {name: row for name, row in phases.items() if name.startswith("phase_")}
         components = mixed_components(env, params)  # [env], or the environments of the mixed run
         mixed = [MIXED + ".envs", *(f"curriculum.{e}.cap" for e in components)] if env == MIXED else []
-        train_deps = [*(f"data/{e}/train.json" for e in components), *(f"envs/{e}" for e in components), *TRAIN_CODE]
+        code_deps = [*(f"envs/{e}" for e in components), *TRAIN_CODE]
+        train_deps = [*(f"data/{e}/train.json" for e in components), *code_deps]
         warm_folders, parent_deps = [], [BASE]
         for name, row in warm.items():  # the warm-start stages: each from the last, the first from the base model
             index = int(name.split("_")[1])
             folder = str(run.warm(index))
             out[f"{env}_{name}"] = {
                 "cmd": f"{CLI} warm-stage {env} --index {index} --init {parent} --out {folder}",
-                "deps": [*parent_deps, *row.get("recorded", []), *train_deps],
+                "deps": [*parent_deps, *row.get("recorded", []),  # its items come from its own split
+                         *(f"data/{e}/{row.get('split', 'train')}.json" for e in components), *code_deps],
                 "params": [{"phases.yaml": [f"{env}.{name}"]}],
                 "outs": [folder],
             }

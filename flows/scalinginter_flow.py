@@ -86,7 +86,7 @@ def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: di
 
 
 @flow(name="scalinginter", log_prints=True)
-def scalinginter(env: str = "sciworld", profile: str = "smoke", overrides: dict[str, Any] | None = None,
+def scalinginter(env: str = "babyai", profile: str = "smoke", overrides: dict[str, Any] | None = None,
                  record: Record = "commit", push: bool = True, env_urls: list[str] | None = None) -> dict[str, Any]:
     """Train ``env``'s whole ScalingInter curriculum under ``profile``; return the phase table.
 

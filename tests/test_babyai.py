@@ -347,3 +347,32 @@ def test_reset_close_cycles_do_not_grow_memory(backend: Backend) -> None:
     finally:
         tracemalloc.stop()
     assert growth < 64 * 1024, f"{growth} bytes kept after 400 reset/close cycles"
+
+
+def test_the_sighted_expert_plays_goto_in_high_level_actions_and_sft_keeps_only_its_successes() -> None:
+    from envs.corpus import played_episode
+    from envs.local import local_client
+    from envs.registry import expert
+    from training.sft import expert_episodes
+
+    goto = [r["item_id"] for r in load_split("babyai", "warm") if r["sub_task"] == "GoTo"][:30]
+    client = local_client("babyai")
+    try:
+        played = {i: played_episode("babyai", client, item_index(i), "sighted") for i in goto}
+        solved = [i for i, (_, ok) in played.items() if ok]
+        assert 5 <= len(solved) < len(goto)  # a goal never in sight in three left turns is a failure
+        texts, _ = played[solved[0]]
+        replies = texts[1::2]
+        assert all(r.endswith("Action: turn left") for r in replies[:-1]) and "Action: go to " in replies[-1]
+        assert len(replies) <= 4
+        other = next(r["item_id"] for r in load_split("babyai", "warm") if r["sub_task"] == "Open")
+        with pytest.raises(ValueError, match="GoTo missions only"):
+            played_episode("babyai", client, item_index(other), "sighted")
+    finally:
+        client.close()
+        client.backend.shutdown()
+    with pytest.raises(ValueError, match="babyai has no expert 'psychic': it offers default, sighted"):
+        expert("babyai", "psychic")
+    # SFT's expert episodes: the first `count` the expert solves, in order, its failures left out
+    episodes = expert_episodes("babyai", goto, count=3, expert="sighted")
+    assert list(episodes) == solved[:3]

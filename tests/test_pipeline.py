@@ -81,6 +81,7 @@ def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo", one_ste
     shutil.copytree(ROOT, work, ignore=ignore)
     params = re.sub(r"(?m)^  envs: \[[^\]]*\]", f"  envs: [{envs}]", (work / "params.yaml").read_text())
     assert f"envs: [{envs}]" in params
+    params = _without_main_job_warm_start(params)
     if one_step_phases is not None:
         params = _one_step_phases(params, envs.split(","), one_step_phases)
     (work / "params.yaml").write_text(params)
@@ -88,6 +89,18 @@ def _workspace(tmp_path: Path, envs: str = "babyai", name: str = "repo", one_ste
     for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
         _sh(work, "git", *args)
     return work
+
+
+def _without_main_job_warm_start(params: str) -> str:
+    """``params`` without the smoke BabyAI warm start (~4 minutes of SFT, the main job's: `make run`) and with
+    BabyAI's smoke evaluation on 6 items, as the other environments': the tests of the smoke run and of what runs
+    its stages start from the base model (the warm stage is tested in tests/test_warm.py)."""
+    warm = r"(?s)(      smoke: \{[^\n]*),\s*warm_start: \[\{method: sft, split: warm.*?\}\]\}"
+    cut = re.sub(warm, r"\1}", params, count=1)
+    assert cut != params, "no smoke BabyAI warm start in params.yaml"
+    items = cut.replace("envs: {babyai: {items: null,", "envs: {babyai: {items: 6,")
+    assert items != cut, "no smoke BabyAI evaluation in params.yaml"
+    return items
 
 
 def _one_step_phases(params: str, envs: list[str], phases: int) -> str:
@@ -100,6 +113,7 @@ def _one_step_phases(params: str, envs: list[str], phases: int) -> str:
         smoke = re.sub(r"total_steps: \d+", f"total_steps: {phases}", smoke)
         params = params[:section.start(1)] + smoke + params[section.end(1):]
     evaluation = re.sub(r"(?m)^(  smoke: \{)items: \d+, k: \d+,", r"\1items: 2, k: 1,", params, count=1)
+    evaluation = evaluation.replace("envs: {babyai: {items: 6,", "envs: {babyai: {items: 2,")
     assert evaluation != params, "no smoke evaluation in params.yaml"
     gates = re.sub(r"(?m)^(  smoke: \{enabled: true, )items: \d+,", r"\1items: 2,", evaluation, count=1)
     assert gates != evaluation, "no smoke promotion gate in params.yaml"

@@ -40,3 +40,21 @@ def test_item_index_rejects_malformed_ids() -> None:
     assert item_index("textcraft_12") == 12
     with pytest.raises(ValueError, match="<env>_<index>"):
         item_index("textcraft")
+
+
+@pytest.mark.parametrize("env", sorted(set(SPLIT_SIZES) - {"bandit"}))
+def test_the_committed_splits_are_what_the_splits_stage_writes_and_the_warm_split_holds_no_other_item(
+        env: str, tmp_path) -> None:
+    from envs.registry import load_backend
+    from envs.splits import WARM_ITEMS, write_splits
+
+    write_splits(env, load_backend(env), tmp_path)
+    for split in ("train", "test", "gate", "warm"):
+        assert load_split(env, split, tmp_path) == load_split(env, split), split
+    warm = [item_index(r["item_id"]) for r in load_split(env, "warm")]
+    others = {item_index(r["item_id"]) for s in ("train", "test", "gate") for r in load_split(env, s)}
+    if env == "babyai":  # generated levels without end: indices after every other split's
+        assert len(warm) == WARM_ITEMS and min(warm) > max(others)
+        assert Counter(r["sub_task"] for r in load_split(env, "warm"))["GoTo"] > 1000
+    else:
+        assert warm == []

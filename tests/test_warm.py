@@ -74,7 +74,7 @@ def test_a_bad_warm_start_names_the_key_and_the_mixed_run_has_none() -> None:
     stage = parse_stage({"method": "rft", "rounds": 3})
     assert isinstance(stage, RFTStage) and checkpoint_of(Path("w"), stage) == Path("w/round-2")
     # what chooses expert episodes beside recorded ones would be ignored: an error naming it
-    for chosen in ({"sub_tasks": ["GoTo"]}, {"max_turns": 2}, {"items": 8}):
+    for chosen in ({"sub_tasks": ["GoTo"]}, {"max_turns": 2}, {"items": 8}, {"split": "warm"}, {"expert": "sighted"}):
         with pytest.raises(ValidationError, match=f"{next(iter(chosen))} choose expert episodes"):
             parse_stage({"method": "sft", "recorded": ["runs/babyai/phase-0/rollouts"], **chosen})
     recorded = parse_stage({"method": "sft", "recorded": ["runs/babyai/phase-0/rollouts"]})
@@ -164,3 +164,31 @@ def test_sft_batches_by_length_pad_less_and_see_every_episode_once_an_epoch() ->
     assert sorted(i for b in grouped for i in b) == list(range(203)) and max(len(b) for b in grouped) == 8
     assert padded(grouped) < 0.8 * padded(plain)
     assert grouped != epoch_batches(lengths, 8, random.Random(4), group_by_length=True)  # shuffled each epoch
+
+
+def test_the_main_jobs_warm_start_learns_from_the_warm_split_never_from_an_evaluated_item(tiny_model_dir,
+                                                                                          tmp_path) -> None:
+    """`make run` (BabyAI, smoke) starts with SFT on expert episodes of the warm split's GoTo items: a stage of its
+    own, hanging on data/babyai/warm.json, whose items no split, gate or evaluation holds."""
+    from envs.splits import load_split
+
+    stages = yaml.safe_load(render(load_params())[1])["stages"]
+    assert "data/babyai/warm.json" in stages["babyai_warm_0"]["deps"]
+    assert "data/babyai/train.json" not in stages["babyai_warm_0"]["deps"]
+    assert "--init runs/babyai/warm-0/final" in stages["babyai_phase_0"]["cmd"]
+    warm = {r["item_id"] for r in load_split("babyai", "warm")}
+    held = {r["item_id"] for split in ("train", "test", "gate") for r in load_split("babyai", split)}
+    assert len(warm) == 4000 and not warm & held
+    row = curriculum_config("babyai", "smoke").warm_start[0]
+    assert (row.split, row.sub_tasks, row.expert, row.max_turns) == ("warm", ["GoTo"], "sighted", 4)
+    # the stage itself, at a tenth of a second's scale: 2 such items, one epoch
+    small = parse_stage({**row.model_dump(), "items": 2, "epochs": 1})
+    final = run_warm_stage("babyai", 0, small, tiny_model_dir, tmp_path / "warm")
+    lines = [json.loads(line) for line in (tmp_path / "warm" / "episodes.jsonl").read_text().splitlines()]
+    goto = {r["item_id"] for r in load_split("babyai", "warm") if r["sub_task"] == "GoTo"}
+    assert len(lines) == 2 and {x["item_id"] for x in lines} <= goto
+    manifest = read_manifest(final)
+    assert manifest["warm_start"]["split"] == "warm" and 0 <= manifest["padded_share"] < 1
+    with pytest.raises(ValueError, match="the sciworld warm split has only 0 items"):
+        run_warm_stage("sciworld", 0, parse_stage({"method": "sft", "split": "warm", "items": 1, "max_turns": 4}),
+                       tiny_model_dir, tmp_path / "none")

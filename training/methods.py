@@ -45,10 +45,10 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
                               if isinstance(stage, SFTStage) else {}))
     if isinstance(stage, SFTStage):
         return _sft_stage(env, stage, init, out, sft_config, record, progress)
-    ids = list(_items(env, stage)) if stage.max_turns else sft_items(env, stage.items, sub_tasks=stage.sub_tasks)
+    ids = list(_items(env, stage)) if stage.max_turns else sft_items(env, stage.items, stage.split, stage.sub_tasks)
     if not ids:
-        raise ValueError(f"warm start {index} ({stage.method}): the {env} training split has no items of sub-tasks "
-                         f"{stage.sub_tasks}")
+        raise ValueError(f"warm start {index} ({stage.method}): the {env} {stage.split} split has no items of "
+                         f"sub-tasks {stage.sub_tasks}")
     with contextlib.ExitStack() as stack:
         if url is None:
             if server is None:
@@ -74,12 +74,12 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
 
 
 def _items(env: str, stage: SFTStage | RFTStage | DPOStage) -> dict[str, list[dict[str, str]]]:
-    """The stage's items with their expert episodes: the first ``items`` of the training split (of ``sub_tasks``)
-    that the expert solves within ``max_turns``."""
-    candidates = sft_items(env, 10**9 if stage.max_turns else stage.items, sub_tasks=stage.sub_tasks)
-    episodes = expert_episodes(env, candidates, stage.items, stage.max_turns)
+    """The stage's items with their expert episodes: the first ``items`` of its split (of ``sub_tasks``) that the
+    expert (``expert``: SFT's choice, else the environment's own) solves, within ``max_turns`` where set."""
+    candidates = sft_items(env, 10**9, stage.split, stage.sub_tasks)  # played in order until `items` succeed
+    episodes = expert_episodes(env, candidates, stage.items, stage.max_turns, getattr(stage, "expert", "default"))
     if len(episodes) < stage.items:
-        raise ValueError(f"the {env} training split has only {len(episodes)} items (sub-tasks {stage.sub_tasks}) "
+        raise ValueError(f"the {env} {stage.split} split has only {len(episodes)} items (sub-tasks {stage.sub_tasks}) "
                          f"the expert solves within {stage.max_turns} turns, not {stage.items}: lower items or "
                          "raise max_turns")
     return episodes

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from envs.corpus import recorded_episode
+from envs.corpus import played_episode
 from envs.local import local_client
 from envs.registry import spec_class
 from envs.splits import item_index, load_split
@@ -44,18 +44,21 @@ def expert_conversations(env: str, item_ids: list[str], count: int | None = None
     return list(expert_episodes(env, item_ids, count, max_turns).values())
 
 
-def expert_episodes(env: str, item_ids: list[str], count: int | None = None,
-                    max_turns: int | None = None) -> dict[str, list[dict[str, str]]]:
-    """``{item_id: messages}`` of :func:`expert_conversations`."""
+def expert_episodes(env: str, item_ids: list[str], count: int | None = None, max_turns: int | None = None,
+                    expert: str = "default") -> dict[str, list[dict[str, str]]]:
+    """``{item_id: messages}`` of :func:`expert_conversations`, played by the environment's expert ``expert``
+    (``envs.registry.expert``); an episode the expert fails is left out (logged)."""
     start = spec_class(env).conversation_start
     client = local_client(env)
     out: dict[str, list[dict[str, str]]] = {}
+    failed = 0
     try:
         for item in item_ids:
             if count is not None and len(out) >= count:
                 break
-            texts = recorded_episode(env, client, item_index(item))
-            if max_turns is not None and (len(texts) - 1) // 2 > max_turns:
+            texts, solved = played_episode(env, client, item_index(item), expert)
+            failed += not solved
+            if not solved or (max_turns is not None and (len(texts) - 1) // 2 > max_turns):
                 continue
             messages = opening_messages(start, texts[0])
             for reply, observation in zip(texts[1::2], texts[2::2], strict=True):
@@ -64,6 +67,8 @@ def expert_episodes(env: str, item_ids: list[str], count: int | None = None,
     finally:
         client.close()
         client.backend.shutdown()
+    if failed:
+        log.info("%s's %s expert failed %d of the items it played: left out", env, expert, failed)
     return out
 
 

@@ -36,7 +36,10 @@ PREFIX_CACHE_HELP = ("hf engine: GiB of KV kept from each sequence's turn, so th
 
 class _Method(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    items: int = Field(32, ge=1, description="the first N items of the training split (its stratified order)")
+    items: int = Field(32, ge=1, description="the first N items of the split (its stratified order)")
+    split: Literal["train", "warm"] = Field("train", description="whose items: the training split, or the warm split "
+                                            "(data/<env>/warm.json: BabyAI's demonstration items beyond every other "
+                                            "split; empty elsewhere)")
     sub_tasks: list[str] | None = Field(None, description="only items of these sub-tasks")
     max_turns: int | None = Field(None, ge=1, description="only items the expert solves within this many turns (the "
                                   "first `items` such items: every method of a warm start then sees the same ones)")
@@ -64,14 +67,15 @@ class SFTStage(_Method):
     batch_size: int = Field(8, ge=1)
     max_tokens: int = Field(2048, ge=16, description="longest episode trained on (longer ones left out, counted)")
     group_by_length: bool = Field(False, description=GROUP_BY_LENGTH_HELP)
+    expert: str = Field("default", description="who plays the expert episodes: the environment's own expert, or one "
+                        "it offers by name (BabyAI: sighted, GoTo missions in its high-level actions)")
 
     @model_validator(mode="after")
     def _recorded_or_expert(self) -> SFTStage:
-        """``items``, ``sub_tasks`` and ``max_turns`` choose expert episodes: beside ``recorded`` (every successful
-        episode of its files) they would be ignored, so they are an error."""
-        chosen = [name for name in ("sub_tasks", "max_turns") if getattr(self, name) is not None]
-        if self.items != type(self).model_fields["items"].default:
-            chosen.insert(0, "items")
+        """``items``, ``sub_tasks``, ``max_turns``, ``split`` and ``expert`` choose expert episodes: beside
+        ``recorded`` (every successful episode of its files) they would be ignored, so they are an error."""
+        chosen = [name for name in ("items", "sub_tasks", "max_turns", "split", "expert")
+                  if getattr(self, name) != type(self).model_fields[name].default]
         if self.recorded and chosen:
             raise ValueError(f"{', '.join(chosen)} choose expert episodes, and recorded trains on every successful "
                              "episode of its files: give one or the other")
