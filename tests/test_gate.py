@@ -70,7 +70,7 @@ def _bandit_workspace(tmp_path: Path, warm: Path, on_reject: str, lrs: list[floa
         "mini_batch_size": 16, "micro_batch_size": 16, "log_rollouts": False, "lr": max(lrs), "save_every": 1,
         "guard": {"enabled": False}}
     params["eval"]["smoke"]["envs"] = {"bandit": {"k": 4, "temperature": 1.0, "max_new_tokens": 16, "h": 1}}
-    params["gate"]["smoke"] |= {"items": 16, "margin": 0.1, "on_reject": on_reject, "lr_factor": 0.01}
+    params["gate"]["smoke"] |= {"items": 16, "margin": 0.1, "rule": "point", "on_reject": on_reject, "lr_factor": 0.01}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (root / "phases.yaml").write_text(render(params)[0])
     return root
