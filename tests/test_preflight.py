@@ -66,6 +66,11 @@ def test_each_fault_of_the_paper_run_is_refused_with_the_setting_to_change() -> 
     gated["gate"]["paper"]["envs"]["webarena"]["enabled"] = True
     assert any("gate.paper.envs.webarena.enabled: false" in f
                for f in _failures(env="webarena", params=gated, model=QWEN3B))
+    # ... and where the evaluation's sub-tasks (which the gate samples) leave it none
+    picky = copy.deepcopy(load_params())
+    picky["eval"]["paper"]["envs"] = {"babyai": {"sub_tasks": ["Fly"]}}
+    assert any("gate split holds no item of eval.paper.envs.babyai.sub_tasks ['Fly']" in f
+               for f in _failures(env="babyai", params=picky, model=QWEN3B))
 
 
 def test_the_parameter_count_is_the_models_own() -> None:

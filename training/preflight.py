@@ -470,6 +470,12 @@ def check_gate(p: Plan, root: Path | None = None) -> list[Finding]:
     if not items:
         return [Finding("gate", False, f"{p.env} has no gate items (none beyond its train and test splits): set "
                                        f"gate.{p.profile}.envs.{p.env}.enabled: false in params.yaml")]
+    if p.evaluation.sub_tasks:  # the gate samples the evaluation's sub-tasks only
+        items = [r for r in items if r.get("sub_task") in p.evaluation.sub_tasks]
+        if not items:
+            return [Finding("gate", False, f"{p.env}'s gate split holds no item of eval.{p.profile}.envs.{p.env}."
+                                           f"sub_tasks {p.evaluation.sub_tasks}: name others, or set gate.{p.profile}"
+                                           f".envs.{p.env}.enabled: false")]
     used = len(items) if p.gate.items is None else min(p.gate.items, len(items))
     return [Finding("gate", True, f"{used} of {len(items)} gate items x eval k={p.evaluation.k} per checkpoint, "
                                   f"margin {p.gate.margin:g} ({p.gate.rule}), on_reject {p.gate.on_reject}")]
