@@ -400,12 +400,13 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
                                                                          monkeypatch) -> None:
     """An OpenAI-compatible server guarded by an API key (a vLLM server started with --api-key stands in for
     an outside one): the key comes from SCALINGINTER_API_KEY, a wrong one is a clear error that never shows it."""
-    import shutil
 
     from training.eval_stage import run_outside_eval
 
     key = "sk-test-0123456789"
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    from tests.test_pipeline import _without_main_job_warm_start  # BabyAI's smoke evaluation on 6 items
+
+    (tmp_path / "params.yaml").write_text(_without_main_job_warm_start((ROOT / "params.yaml").read_text()))
     # this server also runs its model in a worker process of its own whose threads run on every core
     # (cpu_executor: mp, cpu_threads_bind: all; under auto vLLM keeps one core back); the others have no worker
     guarded = PolicyServerConfig(extra_args=["--api-key", key], cpu_executor="mp", cpu_threads_bind="all")
