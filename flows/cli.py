@@ -782,33 +782,55 @@ def eval_cmd(
 @app.command("eval-outside")
 def eval_outside_cmd(
     env: EnvArg,
-    policy_url: Annotated[str, typer.Option(help="OpenAI-compatible server that takes token-id prompts (vLLM, "
-                                                 "SGLang)")],
+    policy_url: Annotated[str, typer.Option(help="the outside model's OpenAI-compatible server (base URL)")],
     model: Annotated[str, typer.Option(help="the model's name on that server")],
-    tokenizer: Annotated[str, typer.Option(help="folder (or hub id) of the served model's own tokenizer")],
+    tokenizer: Annotated[str | None, typer.Option(help="folder (or hub id) of the served model's own tokenizer "
+                                                       "(--api completions); with --api chat it only counts the "
+                                                       "context budget (default: the project's base model)")] = None,
+    api: Annotated[str, typer.Option(help="completions: token-id prompts (vLLM, SGLang); chat: any OpenAI-"
+                                          "compatible /v1/chat/completions (messages in, text out)")] = "completions",
+    concurrency: Annotated[int, typer.Option(help="chat: requests in flight at most")] = 4,
+    retries: Annotated[int, typer.Option(help="chat: repeats of a request answered 429/5xx or timed out")] = 5,
+    price_in: Annotated[float | None, typer.Option(help="chat: US dollars per million prompt tokens")] = None,
+    price_out: Annotated[float | None, typer.Option(help="chat: US dollars per million completion tokens")] = None,
     profile: Annotated[str | None, typer.Option(help="params.yaml profile (default: curriculum.profile)")] = None,
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
                                             help="environment server URL, or comma-separated replicas "
                                                  "(default: start env_server.replicas)")] = None,
 ) -> None:
     """Evaluate an outside model on ENV with the items and metrics of ``scalinginter eval``. Its API key comes from
-    SCALINGINTER_API_KEY (or OPENAI_API_KEY), never from the command line, and is never logged."""
+    SCALINGINTER_API_KEY (or OPENAI_API_KEY), never from the command line, and is never logged. With ``--api chat``
+    its answers are cached (runs/ENV/eval/outside/MODEL.cache.jsonl): a repeated or interrupted evaluation pays
+    for no answer twice."""
     from pathlib import Path
 
-    from training.config import ConfigError
+    from training.config import ConfigError, load_params
     from training.eval_stage import run_outside_eval
-    from training.layout import Run
+    from training.evaluate import ChatSettings
+    from training.layout import Run, base_model
     from training.vllm_engine import EngineError
 
     _check_env(env)
+    if api not in ("completions", "chat"):
+        _fail(f"--api {api!r}: completions or chat")
+    if tokenizer is None and api == "completions":
+        _fail("--api completions lays the prompts out with the served model's own chat template: give --tokenizer")
+    chat = ChatSettings(concurrency=concurrency, retries=retries, price_in=price_in, price_out=price_out) \
+        if api == "chat" else None
     try:
-        result = run_outside_eval(env, policy_url, model, Path(tokenizer), profile, url)
-    except (ConfigError, EngineError) as err:
+        counting = Path(tokenizer) if tokenizer else base_model(load_params().get("model", {}).get("preset", "tiny"))
+        result = run_outside_eval(env, policy_url, model, counting, profile, url, chat=chat)
+    except (ConfigError, EngineError, ValueError) as err:
         _fail(str(err))
     low, high = result["success_ci95"]
     console.print(f"{model} on {env}: success {result['success']:.1%} (95% CI {low:.1%}-{high:.1%}), "
                   f"Avg@{result['k']} {result['avg_at_k']:.3f}, Pass@{result['k']} {result['pass_at_k']:.1%} over "
                   f"{result['items']} items")
+    if "usage" in result:
+        u = result["usage"]
+        cost = "" if u["cost_usd"] is None else f", ${u['cost_usd']:.4f}"
+        console.print(f"API: {u['requests']} requests ({u['cached']} answered from the cache, {u['retries']} "
+                      f"retries), {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens{cost}")
     console.print(f"metrics: {Run(env).eval_outside(model)}")
 
 

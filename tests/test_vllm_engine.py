@@ -551,3 +551,142 @@ def test_lora_training_syncs_the_adapter_in_place(env_server, bandit_warm_start,
     print(f"LoRA adapter sync: {engine['served']['seconds']:.3f} s (the last of {engine['syncs']})")
     rows = (tmp_path / "rollouts" / "step-000002.jsonl").read_text().splitlines()
     assert '"weights": {"step": 2' in rows[-1]  # step 2 sampled from the adapter after step 1's update
+
+
+def _answered(vllm_url: str) -> int:
+    """Requests the vLLM server has finished (its Prometheus counter, summed over finish reasons)."""
+    lines = httpx.get(f"{vllm_url}/metrics").text.splitlines()
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:request_success_total")))
+
+
+def _cache_keys(path: Path) -> list[str]:
+    keys = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            keys.append(json.loads(line)["key"])
+    return keys
+
+
+CHAT_ITEMS = 3  # BabyAI test items, two samples each, at most two turns: 6-12 answers
+
+
+def _chat_eval(vllm_url: str, env_url: str, tiny_model_dir: Path, **settings):
+    from envs.splits import load_split
+    from training.evaluate import ChatSettings, evaluate_outside
+
+    items = [r["item_id"] for r in load_split("babyai", "test")[:CHAT_ITEMS]]
+    from training.vllm_engine import SERVED_NAME
+
+    return evaluate_outside(vllm_url, SERVED_NAME, tiny_model_dir, "babyai", env_url, items, h=2, k=2,
+                            temperature=1.0, max_new_tokens=16, seed=3, context_budget=1900,
+                            chat=ChatSettings(**settings))
+
+
+def test_a_chat_api_model_is_evaluated_and_its_cache_never_pays_for_an_answer_twice(vllm_url, tiny_model_dir,
+                                                                                    env_server, tmp_path) -> None:
+    """Any OpenAI-compatible chat API (vLLM's own /v1/chat/completions serving the tiny policy stands in): messages
+    in, text out, on our rollout and metrics; tokens and cost counted; a repeated evaluation is answered from the
+    cache, and one killed mid-way and started again asks the server only for what it had not answered."""
+    url, cache = env_server("babyai"), tmp_path / "cache.jsonl"
+    before = _answered(vllm_url)
+    first = _chat_eval(vllm_url, url, tiny_model_dir, concurrency=2, cache=cache, price_in=1.0, price_out=2.0)
+    api, keys = first.api, _cache_keys(cache)
+    assert api["requests"] == _answered(vllm_url) - before == len(keys) == len(set(keys)) >= 2 * CHAT_ITEMS
+    assert api["cached"] == 0 and api["retries"] == 0 and api["prompt_tokens"] > 300 * api["requests"]
+    assert 0 < api["completion_tokens"] <= 16 * api["requests"]
+    assert api["cost_usd"] == pytest.approx((api["prompt_tokens"] + 2 * api["completion_tokens"]) / 1e6)
+    assert sum(len(v) for v in first.success.values()) == 2 * CHAT_ITEMS
+    again = _chat_eval(vllm_url, url, tiny_model_dir, cache=cache)
+    assert _answered(vllm_url) - before == len(keys)  # not one request more
+    assert again.api["requests"] == 0 and again.api["cached"] == len(keys) and again.success == first.success
+    assert again.turns == first.turns
+
+    # killed mid-way (one request at a time), then started again: only what had no answer is asked for
+    fresh, before = tmp_path / "killed.jsonl", _answered(vllm_url)
+    script = ("import sys; from pathlib import Path; from tests.test_vllm_engine import _chat_eval; "
+              "_chat_eval(sys.argv[1], sys.argv[2], Path(sys.argv[3]), concurrency=1, cache=Path(sys.argv[4]), "
+              "backoff_s=0.1)")
+    child = subprocess.Popen([sys.executable, "-c", script, vllm_url, url, str(tiny_model_dir), str(fresh)],
+                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while (not fresh.exists() or len(_cache_keys(fresh)) < 3) and time.monotonic() < deadline:
+            assert child.poll() is None, "the evaluation ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    held = len(_cache_keys(fresh))
+    assert held >= 3
+    resumed = _chat_eval(vllm_url, url, tiny_model_dir, concurrency=1, cache=fresh)
+    total = len(_cache_keys(fresh))
+    assert resumed.api["cached"] >= held and resumed.api["requests"] == total - held > 0
+    # the server answered each cached answer once; at most one more (in flight at the kill, lost with it)
+    assert total <= _answered(vllm_url) - before <= total + 1
+
+
+class _FlakyProxy:
+    """A real HTTP server in front of the vLLM server that answers ``status`` (with Retry-After: 0) to the first
+    ``fail`` of every ``every`` requests and forwards the rest: a rate-limited or failing API."""
+
+    def __init__(self, target: str, status: int, fail: int, every: int) -> None:
+        import http.server
+        import threading
+
+        proxy = self
+        self.seen = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                proxy.seen += 1
+                if (proxy.seen - 1) % every < fail:
+                    payload, code, headers = b'{"error": "try later"}', status, {"Retry-After": "0"}
+                else:
+                    answer = httpx.post(target + self.path, content=body, timeout=120,
+                                        headers={"Content-Type": "application/json"})
+                    payload, code, headers = answer.content, answer.status_code, {}
+                self.send_response(code)
+                for name, value in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_rate_limited_chat_api_is_retried_and_one_that_keeps_failing_is_an_error_not_a_failed_episode(
+        vllm_url, tiny_model_dir, env_server, tmp_path) -> None:
+    url = env_server("babyai")
+    limited = _FlakyProxy(vllm_url, 429, fail=1, every=2)  # every request refused once, then answered
+    try:
+        result = _chat_eval(limited.url, url, tiny_model_dir, concurrency=1, backoff_s=0.01,
+                            cache=tmp_path / "limited.jsonl")
+    finally:
+        limited.close()
+    assert result.api["retries"] == result.api["requests"] >= 2 * CHAT_ITEMS
+    assert limited.seen == 2 * result.api["requests"]
+    down = _FlakyProxy(vllm_url, 503, fail=1, every=1)  # never answers
+    try:
+        with pytest.raises(EngineError, match=r"failed 3 times \(last: answered 503.*run the evaluation again"):
+            _chat_eval(down.url, url, tiny_model_dir, retries=2, backoff_s=0.01, cache=tmp_path / "down.jsonl")
+    finally:
+        down.close()
+    assert down.seen == 3 and not (tmp_path / "down.jsonl").exists()
+    with pytest.raises(EngineError, match="answered 404"):  # a model the server does not serve: no retry
+        from envs.splits import load_split
+        from training.evaluate import ChatSettings, evaluate_outside
+
+        evaluate_outside(vllm_url, "no-such-model", tiny_model_dir, "babyai", url,
+                         [load_split("babyai", "test")[0]["item_id"]], h=1, k=1, temperature=0.0,
+                         max_new_tokens=8, context_budget=1900, chat=ChatSettings(backoff_s=0.01))

@@ -11,6 +11,7 @@ command, the CLI and the Prefect flow (in its own process, ``tasks.pipeline.eval
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -38,7 +39,7 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.evaluate import evaluate_checkpoints, evaluate_mixed_checkpoints
+from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
 from training.vllm_engine import running_vllm
 
@@ -201,10 +202,13 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
 
 
 def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path, profile: str | None = None,
-                     url: str | None = None, root: Path | None = None) -> dict[str, Any]:
+                     url: str | None = None, root: Path | None = None, chat: ChatSettings | None = None
+                     ) -> dict[str, Any]:
     """Evaluate an outside model on the items, seed, k, temperature and h our checkpoints are evaluated with
     (params.yaml ``eval.<profile>``); the API key comes from SCALINGINTER_API_KEY (or OPENAI_API_KEY) and is
-    never written anywhere. Writes and returns ``runs/<env>/eval/outside/<model>.json``."""
+    never written anywhere. ``chat``: through an OpenAI-compatible chat API, its answers cached in
+    ``runs/<env>/eval/outside/<model>.cache.jsonl`` unless ``chat.cache`` names another file. Writes and returns
+    ``runs/<env>/eval/outside/<model>.json``."""
     from training.evaluate import evaluate_outside, summarise
 
     root = root or project_root()
@@ -213,17 +217,21 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
     items = test_items(env, config)
     key = os.environ.get("SCALINGINTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    path = Run(env, root=root).eval_outside(model)
+    if chat is not None and chat.cache is None:
+        chat = dataclasses.replace(chat, cache=path.with_suffix(".cache.jsonl"))
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         result = evaluate_outside(policy_url, model, tokenizer_dir, env, base, [r["item_id"] for r in items], h=h,
                                   k=config.k, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                                   seed=config.seed, batch_items=config.batch_items,
-                                  context_budget=config.context_budget or 8192, api_key=key)
-    out = {"env": env, "model": model, "server": policy_url, "h": h, "k": config.k,
-           "temperature": config.temperature, "seed": config.seed, "items": len(items),
+                                  context_budget=config.context_budget or 8192, api_key=key, chat=chat)
+    out = {"env": env, "model": model, "server": policy_url, "api": "chat" if chat else "completions",
+           "h": h, "k": config.k, "temperature": config.temperature, "seed": config.seed, "items": len(items),
            **summarise(result, {r["item_id"]: r.get("sub_task", "all") for r in items})}
     out.pop("per_item")
-    path = Run(env, root=root).eval_outside(model)
+    if result.api is not None:
+        out["usage"] = result.api
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, out)
     return out

@@ -58,6 +58,7 @@ class EvalResult:
     termination: dict[str, list[str]] = field(default_factory=dict)  # per item, per sample: what ended it
     generated_tokens: int = 0
     prefix_reused_tokens: int = 0  # hf engine: prompt tokens whose KV came from the conversation's last turn
+    api: dict[str, Any] | None = None  # a chat API's requests, cache hits, retries, tokens and cost
 
     @property
     def success_rate(self) -> float:
@@ -137,23 +138,50 @@ def _collect(rollout: Rollout, item_ids: list[str], h: int, batch_items: int) ->
 
 def evaluate_outside(policy_url: str, model: str, tokenizer_dir: Path, env: str, url: str, item_ids: list[str],
                      h: int, k: int = 1, temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0,
-                     batch_items: int = 4, context_budget: int = 8192, api_key: str | None = None) -> EvalResult:
-    """An outside model served by an OpenAI-compatible server that takes token-id prompts (vLLM, SGLang) at
-    ``policy_url`` under the name ``model``, on the same rollout and metrics as our checkpoints; prompts are
-    laid out with the chat template of ``tokenizer_dir`` (the served model's own tokenizer). ``api_key`` is sent
-    as a bearer token and never logged."""
+                     batch_items: int = 4, context_budget: int = 8192, api_key: str | None = None,
+                     chat: ChatSettings | None = None) -> EvalResult:
+    """An outside model at ``policy_url`` under the name ``model``, on the same rollout and metrics as our
+    checkpoints. Without ``chat``: a server that takes token-id prompts (vLLM, SGLang), the prompts laid out with the
+    chat template of ``tokenizer_dir`` (the served model's own tokenizer). With ``chat``: any OpenAI-compatible chat
+    API (messages in, text out; ``training.chat_engine``), ``tokenizer_dir`` then only counting the context budget
+    (the project's tokenizer will do); its requests, cache hits, retries, tokens and cost in the result's ``api``.
+    ``api_key`` is sent as a bearer token and never logged."""
     from transformers import AutoTokenizer
 
     from training.vllm_engine import VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), padding_side="left")
-    engine = VLLMEngine(policy_url, tokenizer.eos_token_id, model=model, api_key=api_key)
+    engine: Any
+    if chat is None:
+        engine = VLLMEngine(policy_url, tokenizer.eos_token_id, model=model, api_key=api_key)
+    else:
+        from training.chat_engine import ChatEngine
+
+        engine = ChatEngine(policy_url, model, tokenizer.eos_token_id, api_key=api_key, concurrency=chat.concurrency,
+                            retries=chat.retries, backoff_s=chat.backoff_s, timeout_s=chat.timeout_s,
+                            cache=chat.cache)
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
     try:
-        return _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
+        result = _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
     finally:
         engine.close()
+    if chat is not None:
+        result.api = engine.usage.as_dict(chat.price_in, chat.price_out)
+    return result
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How a chat API is asked (``scalinginter eval-outside --api chat``)."""
+
+    concurrency: int = 4
+    retries: int = 5
+    backoff_s: float = 1.0
+    timeout_s: float = 120.0
+    cache: Path | None = None  # the response cache's JSONL file
+    price_in: float | None = None  # US dollars per million prompt tokens
+    price_out: float | None = None  # ... per million completion tokens
 
 
 def _summary(success: list[list[bool]], reward: list[list[float]]) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from envs.client import (
 )
 from envs.registry import client_class
 from envs.splits import item_index
-from training.engine import PolicyEngine, SamplingParams
+from training.engine import Generation, PolicyEngine, SamplingParams
 from training.trajectory import TERMINATIONS, Trajectory, Turn
 
 T = TypeVar("T")
@@ -530,9 +530,19 @@ class Rollout:
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                 seed=cfg.seed * 1_000_003 + step * 1009 + call)
         started = time.perf_counter()
-        generations = self.engine.generate([trajectories[i].input_ids for i in chosen], params)
-        seconds = time.perf_counter() - started
-        texts = [self.chat.decode(g.token_ids) for g in generations]
+        if getattr(self.engine, "chat", False):  # a chat API: the messages in, text out, kept in our tokenizer's ids
+            answers = self.engine.generate_chat([trajectories[i].messages for i in chosen], params,  # type: ignore
+                                                [f"{trajectories[i].item_id}/{trajectories[i].sample}" for i in chosen])
+            seconds = time.perf_counter() - started
+            texts = [text for text, _ in answers]
+            generations = []
+            for text, done in answers:  # a reply the model ended closes with the end-of-turn id, as ours do
+                ids = self.chat.reply(text) if done else self.chat.encode(text)
+                generations.append(Generation(ids, [0.0] * len(ids), done))
+        else:
+            generations = self.engine.generate([trajectories[i].input_ids for i in chosen], params)
+            seconds = time.perf_counter() - started
+            texts = [self.chat.decode(g.token_ids) for g in generations]
         for i, g, text in zip(chosen, generations, texts, strict=True):
             trajectories[i].append_assistant(g.token_ids, g.logprobs)
             trajectories[i].messages.append({"role": "assistant", "content": text})
