@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from envs.launcher import ROOT
 from training.report import render, report_data
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -28,7 +29,9 @@ def _eval(success: list[float]) -> dict:
 @pytest.fixture
 def page_file(tmp_path) -> tuple[Path, dict]:
     data = report_data(["babyai"])
-    data["results"]["babyai"]["eval"] = _eval([0.1, 0.2, 0.3, 0.45])  # this project's rows: base and final
+    data["results"]["babyai"]["eval"] = _eval([0.1, 0.2, 0.3, 0.45])  # this project's rows: every checkpoint
+    data["results"]["babyai"]["outside"] = {"gpt-x": {"model": "gpt-x", "api": "chat", "success": 0.6,
+                                                      "success_ci95": [0.5, 0.7], "items": 10}}
     path = tmp_path / "report.html"
     path.write_text(render(data))
     return path, data
@@ -65,12 +68,16 @@ def test_report_in_headless_chromium(page_file, tmp_path) -> None:
                 "#bars .bar", "els => els.map(e => [Number(e.dataset.value), e.getBoundingClientRect().width, "
                 "e.parentElement.getBoundingClientRect().width, e.dataset.label])")
             paper = data["paper"]["overall"][env]
-            expected = sorted([*paper.values(), *([10.0, 45.0] if env == "babyai" else [])], reverse=True)
+            expected = sorted([*paper.values(), *([10.0, 20.0, 30.0, 45.0, 60.0] if env == "babyai" else [])],
+                              reverse=True)
             assert [round(b[0], 2) for b in bars] == [round(v, 2) for v in expected]
             for value, width, track, label in bars:
                 assert width / track == pytest.approx(value / 100, abs=0.005), label
         page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
         shutil.copy(tmp_path / "report.png", Path(os.environ.get("SCALINGINTER_SCREENSHOT", tmp_path / "copy.png")))
+        page.click("#tabs button[data-env=babyai]")
+        outside = page.locator("#bars .bar-row", has_text="gpt-x (outside model, chat API, measured here)")
+        assert outside.locator(".num").text_content() == "60.00 [50-70]"
         # the environment section lists every checkpoint
         assert page.locator("#env-babyai table").first.locator("tr").count() == 5
         browser.close()
@@ -85,3 +92,14 @@ def test_report_embeds_the_paper_numbers_and_escapes_script_tags(tmp_path) -> No
     html = render(data)
     blob = html.split("const DATA = ", 1)[1].split(";\n", 1)[0]
     assert "</script>" not in blob and json.loads(blob)["results"]["babyai"]["lineage"]["error"].startswith("</")
+
+
+def test_the_report_takes_every_outside_models_evaluation_and_not_its_answer_cache(tmp_path) -> None:
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    folder = tmp_path / "runs" / "babyai" / "eval" / "outside"
+    folder.mkdir(parents=True)
+    (folder / "gpt-x.json").write_text(json.dumps({"model": "gpt-x", "api": "chat", "success": 0.25,
+                                                   "success_ci95": [0.1, 0.4], "items": 6}))
+    (folder / "gpt-x.cache.jsonl").write_text('{"key": "k", "text": "Action: turn left"}\n')
+    outside = report_data(["babyai"], tmp_path)["results"]["babyai"]["outside"]
+    assert list(outside) == ["gpt-x"] and outside["gpt-x"]["success"] == 0.25

@@ -141,8 +141,13 @@ def report_data(envs: list[str], root: Path | None = None) -> dict[str, Any]:
             metrics = _json(Run(env, h, root).eval_metrics)
             if metrics:
                 baselines[f"fixed h={h}"] = metrics
+        outside = {}  # scalinginter eval-outside: models behind an API, on the same items
+        for path in sorted((run.eval_dir / "outside").glob("*.json")):
+            row = _json(path)
+            if row and "success" in row:
+                outside[row.get("model", path.stem)] = row
         results[env] = {"eval": _json(run.eval_metrics), "curves": _curves(run.dir), "phases": _phases(run.dir),
-                        "lineage": _lineage(env, root), "baselines": baselines}
+                        "lineage": _lineage(env, root), "baselines": baselines, "outside": outside}
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     return {"profile": profile, "envs": envs, "names": ENV_NAMES, "explorer": explorer,
             "paper": _json(root / "data" / "paper_results.json"), "results": results, "model": _model(params, root),
