@@ -804,10 +804,10 @@ def eval_outside_cmd(
     for no answer twice."""
     from pathlib import Path
 
-    from training.config import ConfigError, load_params
+    from training.config import ConfigError, base_model_dir, load_params
     from training.eval_stage import run_outside_eval
     from training.evaluate import ChatSettings
-    from training.layout import Run, base_model
+    from training.layout import Run
     from training.vllm_engine import EngineError
 
     _check_env(env)
@@ -818,7 +818,7 @@ def eval_outside_cmd(
     chat = ChatSettings(concurrency=concurrency, retries=retries, price_in=price_in, price_out=price_out) \
         if api == "chat" else None
     try:
-        counting = Path(tokenizer) if tokenizer else base_model(load_params().get("model", {}).get("preset", "tiny"))
+        counting = Path(tokenizer) if tokenizer else base_model_dir(load_params())
         result = run_outside_eval(env, policy_url, model, counting, profile, url, chat=chat)
     except (ConfigError, EngineError, ValueError) as err:
         _fail(str(err))

@@ -690,3 +690,28 @@ def test_a_rate_limited_chat_api_is_retried_and_one_that_keeps_failing_is_an_err
         evaluate_outside(vllm_url, "no-such-model", tiny_model_dir, "babyai", url,
                          [load_split("babyai", "test")[0]["item_id"]], h=1, k=1, temperature=0.0,
                          max_new_tokens=8, context_budget=1900, chat=ChatSettings(backoff_s=0.01))
+
+
+def test_the_evaluation_stage_evaluates_the_outside_models_params_yaml_lists(vllm_url, env_server, tiny_model_dir,
+                                                                            tmp_path) -> None:
+    """eval.<profile>.outside (a DVC param of the evaluation stage): each model through its API on the stage's
+    items, written beside the checkpoints' metrics, its key never in params.yaml or the result."""
+    import shutil
+
+    from tests.test_pipeline import _without_main_job_warm_start
+    from training.eval_stage import run_outside_models
+    from training.vllm_engine import SERVED_NAME
+
+    params = yaml.safe_load(_without_main_job_warm_start((ROOT / "params.yaml").read_text()))
+    params["eval"]["smoke"] |= {"h": 2, "context_budget": 1900, "k": 1, "temperature": 0.0,
+                                "outside": [{"name": SERVED_NAME, "url": vllm_url, "price_in": 0.5}]}
+    params["eval"]["smoke"]["envs"]["babyai"]["items"] = 2
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "tiny")  # the tokenizer that counts the context budget
+    results = run_outside_models("babyai", "smoke", env_server("babyai"), tmp_path)
+    written = json.loads((tmp_path / f"runs/babyai/eval/outside/{SERVED_NAME}.json").read_text())
+    assert list(results) == [SERVED_NAME] and written == json.loads(json.dumps(results[SERVED_NAME]))
+    assert written["api"] == "chat" and written["items"] == 2 and written["k"] == 1
+    usage = written["usage"]
+    assert usage["requests"] >= 2 and usage["cost_usd"] == pytest.approx(usage["prompt_tokens"] * 0.5 / 1e6)
+    assert (tmp_path / f"runs/babyai/eval/outside/{SERVED_NAME}.cache.jsonl").exists()

@@ -268,6 +268,29 @@ class SFTConfig(BaseModel):
     lora: LoraSettings | None = Field(None, description="train LoRA adapters only (merged into the checkpoint)")
 
 
+class OutsideModel(BaseModel):
+    """A model behind an OpenAI-compatible API, evaluated beside the run's checkpoints (its key comes from
+    SCALINGINTER_API_KEY or OPENAI_API_KEY, never from params.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="the model's name on the server (e.g. gpt-4o)")
+    url: str = Field(description="the server's base URL (e.g. https://api.openai.com/v1)")
+    api: Literal["chat", "completions"] = Field("chat", description="chat: messages in, text out (any chat API); "
+                                                "completions: token-id prompts (vLLM, SGLang), needs tokenizer")
+    tokenizer: str | None = Field(None, description="completions: the served model's own tokenizer folder")
+    concurrency: int = Field(4, ge=1, description="chat: requests in flight at most")
+    retries: int = Field(5, ge=0, description="chat: repeats of a request answered 429/5xx or timed out")
+    price_in: float | None = Field(None, ge=0, description="chat: US dollars per million prompt tokens")
+    price_out: float | None = Field(None, ge=0, description="chat: US dollars per million completion tokens")
+
+    @model_validator(mode="after")
+    def _tokenizer_for_completions(self) -> OutsideModel:
+        if self.api == "completions" and not self.tokenizer:
+            raise ValueError(f"outside model {self.name}: api completions lays prompts out with the served model's "
+                             "own chat template: give its tokenizer folder")
+        return self
+
+
 class EvalConfig(BaseModel):
     """How ``scalinginter eval`` samples: the same for every checkpoint of a run."""
 
@@ -287,6 +310,8 @@ class EvalConfig(BaseModel):
     engine: Literal["hf", "vllm"] = Field("hf", description="who samples: transformers' generate, or a vLLM server "
                                           "loaded with each checkpoint in turn (verified by the probe)")
     prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
+    outside: list[OutsideModel] = Field(default_factory=list, description="models behind an API the evaluation "
+                                        "stage also evaluates on the same items (`scalinginter eval-outside`)")
 
 
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:

@@ -28,6 +28,7 @@ from training.checkpoint import read_manifest
 from training.config import (
     MIXED,
     ConfigError,
+    OutsideModel,
     base_model_dir,
     curriculum_config,
     eval_config,
@@ -126,6 +127,8 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
         result["checkpoints"][name]["path"] = str(folder.relative_to(root))
+    if config.outside and baseline is None and env != MIXED:  # models behind an API, on the same items
+        result["outside"] = run_outside_models(env, profile, url, root)
     run = Run(env, baseline, root)
     run.eval_dir.mkdir(parents=True, exist_ok=True)
     per_item = {name: c.pop("per_item") for name, c in result["checkpoints"].items()}
@@ -133,6 +136,21 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     _write(run.eval_metrics, result)
     _write(run.eval_summary, eval_summary(result))
     return result
+
+
+def run_outside_models(env: str, profile: str | None = None, url: str | None = None, root: Path | None = None
+                       ) -> dict[str, dict[str, Any]]:
+    """Every model of ``eval.<profile>.outside`` (params.yaml) through :func:`run_outside_eval`, by name."""
+    root = root or project_root()
+    params = load_params(root / "params.yaml")
+    return {m.name: run_outside_eval(env, m.url, m.name, Path(m.tokenizer) if m.tokenizer else
+                                     base_model_dir(params, root), profile, url, root, chat=_chat_settings(m))
+            for m in eval_config(env, profile, params).outside}
+
+
+def _chat_settings(model: OutsideModel) -> ChatSettings | None:
+    return ChatSettings(concurrency=model.concurrency, retries=model.retries, price_in=model.price_in,
+                        price_out=model.price_out) if model.api == "chat" else None
 
 
 def eval_summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
