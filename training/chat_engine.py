@@ -110,6 +110,7 @@ class ChatEngine:
         self.cache = ResponseCache(cache)
         self.usage = ApiUsage()
         self._lock = threading.Lock()
+        self._failed = threading.Event()  # a request failed for good: the others ask nothing more
 
     def close(self) -> None:
         self.http.close()
@@ -156,7 +157,17 @@ class ChatEngine:
         return row
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._attempts(body)
+        except EngineError:
+            self._failed.set()
+            raise
+
+    def _attempts(self, body: dict[str, Any]) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
+            if self._failed.is_set():
+                raise EngineError(f"the chat API at {self.url}: another request failed for good, so this one was "
+                                  "not sent")
             wait = self.backoff_s * 2**attempt
             try:
                 response = self.http.post(self.url, json=body)
