@@ -17,7 +17,7 @@ import yaml
 
 from envs.launcher import ROOT
 from flows.dvc_pipeline import check, render
-from training.config import curriculum_config, load_params
+from training.config import curriculum_config, load_params, start_checkpoint
 
 
 def _resolved(params: dict, folder: Path) -> dict[str, dict]:
@@ -44,15 +44,18 @@ def test_committed_dvc_yaml_and_phases_agree_with_params_and_the_curriculum(tmp_
     assert "--seed 0 " in build and "--preset tiny --out models/tiny" in build
     for env in params["pipeline"]["envs"]:
         expected = curriculum_config(env, profile).phases()
-        assert [(p["h"], p["steps"], p["first_step"]) for p in phases[env].values()] == \
-            [(p.h, p.steps, p.first_step) for p in expected]
+        rl = [row for name, row in phases[env].items() if name.startswith("phase_")]  # after any warm start
+        assert [(p["h"], p["steps"], p["first_step"]) for p in rl] == [(p.h, p.steps, p.first_step) for p in expected]
         for p in expected:
             stage = stages[f"{env}_phase_{p.index}"]
             assert f"--h {p.h} --steps {p.steps}" in stage["cmd"] and f"--phase {p.index}" in stage["cmd"]
             assert stage["cmd"].startswith("python -m flows.cli train-phase")  # the working copy's own code
             # each phase after the first starts from what the previous phase's promotion gate promoted
-            parent = "models/tiny" if p.index == 0 else f"runs/{env}/gate-{p.index - 1}/promotion.json"
-            assert f"--init {parent}" in stage["cmd"] and parent in stage["deps"]
+            # (phase 0 from the last warm-start stage's checkpoint, or the base model: BabyAI's smoke warm start)
+            parent = str(start_checkpoint(env, params)) if p.index == 0 else \
+                f"runs/{env}/gate-{p.index - 1}/promotion.json"
+            assert f"--init {parent}" in stage["cmd"]
+            assert any(parent == d or parent.startswith(d + "/") for d in stage["deps"])  # it, or its stage's folder
             # the code it runs: its own environment and the core, not the other environments nor the CLI
             assert f"envs/{env}" in stage["deps"] and "envs/server.py" in stage["deps"]
             assert "envs" not in stage["deps"] and "flows/cli.py" not in stage["deps"]
@@ -180,7 +183,8 @@ def test_adaptive_mode_reaches_the_phase_stages_as_params(tmp_path) -> None:
     params["pipeline"]["envs"] = ["babyai"]
     smoke = params["curriculum"]["babyai"]["profiles"]["smoke"]
     smoke.update(mode="adaptive", adaptive={"truncated_share": 0.6, "min_steps": 1})
-    phases = yaml.safe_load(render(params)[0])["babyai"]
+    phases = {name: row for name, row in yaml.safe_load(render(params)[0])["babyai"].items()
+              if name.startswith("phase_")}  # (not the warm start's rows)
     stages = _resolved(params, tmp_path)
     last = f"phase_{len(phases) - 1}"
     for name, row in phases.items():
@@ -198,7 +202,7 @@ def test_fixed_h_baselines_are_stages_at_the_curriculums_total_steps(tmp_path) -
     assert len(baselines) == 2
     for h in baselines:
         cmd = stages[f"babyai_fixed_h{h}"]["cmd"]
-        assert f"--h {h} --steps {total}" in cmd and "--init models/tiny" in cmd
+        assert f"--h {h} --steps {total}" in cmd and f"--init {start_checkpoint('babyai', params)} " in cmd
         assert f"--baseline {h}" in stages[f"babyai_fixed_h{h}_eval"]["cmd"]
         assert f"runs/babyai-fixed-h{h}/eval/metrics.json" in stages["babyai_report"]["deps"]
     params["pipeline"]["baselines"] = False
