@@ -111,6 +111,7 @@ class ChatEngine:
         self.usage = ApiUsage()
         self._lock = threading.Lock()
         self._failed = threading.Event()  # a request failed for good: the others ask nothing more
+        self._fatal: EngineError | None = None  # ... and this is why (what generate_chat raises)
 
     def close(self) -> None:
         self.http.close()
@@ -134,7 +135,10 @@ class ChatEngine:
         ``sample_keys`` tell the samples of one item apart (their seeds)."""
         bodies = [self.request(m, params, k) for m, k in zip(conversations, sample_keys, strict=True)]
         with ThreadPoolExecutor(min(self.concurrency, len(bodies)) or 1) as pool:
-            rows = list(pool.map(self._answer, bodies))
+            try:
+                rows = list(pool.map(self._answer, bodies))
+            except EngineError as err:  # the request that failed for good, not one it kept from being sent
+                raise (self._fatal or err) from None
         return [(row["text"], row["finished"]) for row in rows]
 
     def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +163,10 @@ class ChatEngine:
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
             return self._attempts(body)
-        except EngineError:
+        except EngineError as err:
+            with self._lock:
+                if self._fatal is None:
+                    self._fatal = err
             self._failed.set()
             raise
 
