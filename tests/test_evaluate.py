@@ -155,3 +155,13 @@ def test_eval_sub_tasks_choose_the_test_and_gate_items_and_an_unknown_one_names_
     assert len(gate) == 4 and {r["sub_task"] for r in gate} == {"GoTo", "Open"}
     with pytest.raises(ConfigError, match=r"eval.<profile>.envs.babyai.sub_tasks \['Fly'\]"):
         test_items("babyai", EvalConfig(sub_tasks=["Fly"]))
+
+
+def test_the_chat_answer_cache_survives_a_line_torn_by_a_kill(tmp_path) -> None:
+    from training.chat_engine import ResponseCache
+
+    path = tmp_path / "cache.jsonl"
+    path.write_text('{"key": "a", "text": "x"}\n{"key": "b", "te')  # killed mid-write
+    ResponseCache(path).put("c", {"text": "y"})
+    again = ResponseCache(path)
+    assert again.get("a")["text"] == "x" and again.get("c")["text"] == "y" and again.get("b") is None

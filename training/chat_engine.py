@@ -68,7 +68,11 @@ class ResponseCache:
     def __init__(self, path: Path | None) -> None:
         self.path, self._lock, self._answers = path, threading.Lock(), {}
         if path is not None and path.exists():
-            for line in path.read_text().splitlines():
+            text = path.read_text()
+            if text and not text.endswith("\n"):  # a torn last line: the next answer starts a line of its own
+                with path.open("a") as f:
+                    f.write("\n")
+            for line in text.splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
