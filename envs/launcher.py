@@ -71,17 +71,20 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
     it), however fast either of them was."""
     deadline = time.monotonic() + timeout_s
     port = _port_of(url)
+    heard_another = False  # an answer on the port came from another process (it may have closed it since)
     with httpx.Client(timeout=2.0, verify=tls_context()) as http:  # one client for every poll
         while True:
             if proc is not None and proc.poll() is not None:
-                if port is not None and _someone_listens(port):
-                    raise PortTaken(f"port {port} of {url} is held by another process; the server started on it "
+                if port is not None and (heard_another or _someone_listens(port)):
+                    raise PortTaken(f"port {port} of {url} was held by another process; the server started on it "
                                     f"exited with code {proc.returncode}")
                 raise RuntimeError(f"server {url} exited with code {proc.returncode} before becoming healthy")
             try:
                 response = http.get(f"{url}{path}")
+                mine = proc is None or port is None or listens_on(proc, port)
+                heard_another = heard_another or not mine
                 if response.status_code == 200:
-                    if proc is not None and port is not None and not listens_on(proc, port):
+                    if not mine:
                         raise PortTaken(f"port {port} of {url} answers from another process, not the server "
                                         f"started on it (pid {proc.pid})")
                     try:

@@ -388,3 +388,42 @@ def test_a_server_whose_port_another_process_took_is_started_again_on_its_own(mo
         with pytest.raises(launcher.PortTaken, match=rf"port {port} .*another process"):
             launcher.start_server("textcraft")
         assert httpx.get(f"{taken}/health").json()["env"] == "not yours"  # the squatter was left alone
+
+
+def test_a_port_another_process_answered_on_then_closed_is_still_taken_not_a_crash() -> None:
+    # the race of a full CI run: a WebArena egress proxy (port 0, opened and closed with each browser context) held
+    # the port a new server was given; the server exited on "address already in use" after the proxy had answered
+    # its /health polls with 403 and closed. Nobody listened any more, but the port had been another's: the
+    # launcher must start the server again on another port, not fail the run
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    import envs.launcher as launcher
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    def squat() -> None:
+        for _ in range(3):  # answer three polls, then close like a proxy whose browser context closed
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        listener.close()
+
+    thread = threading.Thread(target=squat, daemon=True)
+    thread.start()
+    # the server that could not bind: it exits with uvicorn's startup-failure code once the squatter is gone
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.exit(3)"])
+    try:
+        with pytest.raises(launcher.PortTaken, match=rf"port {port} .*another process"):
+            launcher.wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=30)
+    finally:
+        proc.kill()
+        proc.wait()
+        thread.join(5)
+    assert not launcher._someone_listens(port)  # nobody listened when the server exited: only the answers tell
