@@ -5,6 +5,12 @@
     python benchmarks/grpo_ablation.py report                   # docs/learning.md's ablation table, from the JSONs
     python benchmarks/grpo_ablation.py control --arms ARM --h 6 --steps 100 --seeds 0,1,2 --eval-items 1000
     python benchmarks/grpo_ablation.py control-report --arms ARM --h 6 --steps 100   # the positive control
+    python benchmarks/grpo_ablation.py --env textcraft control --arms ARM --h 10 --steps 60 --seeds 0,1,2
+
+With ``--env textcraft`` (the second environment of the positive control) the task is TextCraft depth 2-3: SFT on
+the expert's episodes of every train-split goal, GRPO on the train split's depth-2 and depth-3 goals (reshuffled
+each pass), held-out items the test and gate splits' depth-2 and depth-3 goals (123: TextCraft has 544 goals in
+all); workspace runs/grpo-ablation-textcraft/, JSONs in docs/learning/textcraft/.
 
 The task, the items and the warm start are the curriculum study's (``benchmarks/curriculum_study.py``: BabyAI
 GoTo items the expert solves within 4 turns; SFT on 1,200 expert episodes, 2 epochs at lr 1e-3). Every arm
@@ -38,12 +44,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` whe
 from benchmarks.curriculum_study import PARAMS, _dvclive_rows, stage_items, stage_warm
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = "babyai"
 DOCS = ROOT / "docs" / "learning"
 CONTROL = DOCS / "control"
 WORKSPACE = ROOT / "runs" / "grpo-ablation"
 
 #: the study's trainer settings (lr 2e-4, token-mean loss, std-normalised groups, KL 1e-3, entropy bonus 1e-3)
 BASE: dict[str, Any] = {k: v for k, v in PARAMS["train"].items() if k != "guard"} | {"guard": {"enabled": False}}
+
+#: TextCraft: what differs from BabyAI's task (the longest expert reply is 72 tokens; depth 2-3 goals take the
+#: expert a median of 5 and 9 turns)
+TEXTCRAFT = {"sub_tasks": ["depth2", "depth3"], "max_new_tokens": 80,
+             "warm": {"epochs": 4, "lr": 1.0e-3, "batch_size": 8, "group_by_length": True}}
+
+
+def use_env(env: str) -> None:
+    """Point the module's workspace and JSON folders at ``env``'s task (BabyAI's are the defaults)."""
+    global ENV, DOCS, CONTROL, WORKSPACE, BASE
+    if env == "babyai":
+        return
+    if env != "textcraft":
+        raise SystemExit(f"--env {env}: this benchmark has babyai and textcraft")
+    ENV, DOCS, WORKSPACE = env, ROOT / "docs" / "learning" / env, ROOT / "runs" / f"grpo-ablation-{env}"
+    CONTROL = DOCS / "control"
+    BASE = BASE | {"max_new_tokens": TEXTCRAFT["max_new_tokens"]}
 
 #: each arm: what it changes from BASE
 ARMS: dict[str, dict[str, Any]] = {
@@ -63,6 +87,8 @@ def prepare() -> Path:
     """The study's items.json and warm start in the workspace (built once)."""
     WORKSPACE.mkdir(parents=True, exist_ok=True)
     os.chdir(WORKSPACE)
+    if ENV == "textcraft":
+        return _prepare_textcraft()
     if not Path("items.json").exists():
         stage_items(PARAMS)
     if not (Path("warm") / "config.json").exists():
@@ -70,10 +96,36 @@ def prepare() -> Path:
     return WORKSPACE
 
 
+def _prepare_textcraft() -> Path:
+    import random
+
+    from envs.splits import load_split
+    from training.config import SFTConfig
+    from training.sft import expert_episodes, sft
+
+    if not Path("items.json").exists():
+        train = load_split("textcraft", "train")
+        grpo_pool = [r["item_id"] for r in train if r["sub_task"] in TEXTCRAFT["sub_tasks"]]
+        rng, grpo = random.Random(0), []
+        for _ in range(8):  # passes over the pool, each in its own order: enough for 8 x 60 steps of 8 items
+            grpo += rng.sample(grpo_pool, len(grpo_pool))
+        held = [r["item_id"] for split in ("test", "gate") for r in load_split("textcraft", split)
+                if r["sub_task"] in TEXTCRAFT["sub_tasks"]]
+        data = {"sft": expert_episodes("textcraft", [r["item_id"] for r in train]), "grpo": grpo, "held_out": held}
+        Path("items.json").write_text(json.dumps(data))
+    if not (Path("warm") / "config.json").exists():
+        from benchmarks.curriculum_study import base_model
+
+        episodes = list(json.loads(Path("items.json").read_text())["sft"].values())
+        shutil.rmtree("warm", ignore_errors=True)
+        sft(base_model(), Path("warm"), episodes, SFTConfig(**TEXTCRAFT["warm"]), progress=True)
+    return WORKSPACE
+
+
 def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: float) -> list[float]:
     from training.evaluate import evaluate
 
-    result = evaluate(model, "babyai", url, items, h=h, temperature=temperature, seed=1234,
+    result = evaluate(model, ENV, url, items, h=h, temperature=temperature, seed=1234,
                       max_new_tokens=BASE["max_new_tokens"], batch_items=50, context_budget=BASE.get(
                           "context_budget", 2048), prefix_cache_gb=1.0)
     return [float(result.success[i][0]) for i in items]
@@ -96,7 +148,7 @@ def held_out(count: int) -> list[str]:
     indices that the expert solves within 4 turns, in index order), found once and kept in the workspace."""
     data = json.loads((WORKSPACE / "items.json").read_text())
     items = list(data["held_out"])
-    if count <= len(items):
+    if count <= len(items) or ENV != "babyai":  # TextCraft: every held-out goal there is
         return items[:count]
     extra = WORKSPACE / f"held_out_{count}.json"
     if not extra.exists():
@@ -115,12 +167,13 @@ def held_out(count: int) -> list[str]:
     return json.loads(extra.read_text())
 
 
-def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path = DOCS,
+def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path | None = None,
             sampled: bool = True) -> Path:
     """Train and evaluate one arm at one seed (nothing when its JSON exists)."""
     from training.config import TrainConfig
     from training.trainer import train_phase
 
+    docs = DOCS if docs is None else docs
     out = docs / f"{arm}-h{h}-t{steps}-s{seed}.json"
     if out.exists():
         return out
@@ -133,7 +186,7 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, 
     if docs != DOCS and not folder.exists() and (trained / "final").exists():  # the ablation trained it already
         shutil.copytree(trained, folder)
     started = time.perf_counter()
-    final = train_phase("babyai", 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
+    final = train_phase(ENV, 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
     train_s = time.perf_counter() - started
     if docs != DOCS and (DOCS / out.name).exists():  # trained by the ablation: its time is the training's
         train_s = json.loads((DOCS / out.name).read_text())["train_seconds"]
@@ -246,6 +299,7 @@ def control_report(arm: str, h: int, steps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["prepare", "run", "report", "control", "control-report"])
+    parser.add_argument("--env", default="babyai", choices=["babyai", "textcraft"])
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--h", type=int, default=4)
@@ -254,6 +308,7 @@ def main() -> None:
     parser.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                         help="also evaluate sampled at temperature 1.0 (one sample per item)")
     args = parser.parse_args()
+    use_env(args.env)
     if args.command == "report":
         print(report(args.h, args.steps))
         return
@@ -269,7 +324,7 @@ def main() -> None:
     from envs.launcher import running_server
 
     held = held_out(args.eval_items)
-    with running_server("babyai", idle_ttl_s=7200) as url:
+    with running_server(ENV, idle_ttl_s=7200) as url:
         warm_eval(url, held, args.h, args.sampled)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
