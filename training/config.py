@@ -109,7 +109,10 @@ class TrainConfig(BaseModel):
                                    "the groups that carry a signal; a step with none makes no update")
     grpo_norm_std: bool = Field(True, description="GRPO: divide each group's centred scores by their std (False: "
                                 "centred only, as Dr. GRPO)")
-    old_logprobs: Literal["sampler", "recompute"] = "recompute"
+    old_logprobs: Literal["sampler", "recompute"] = Field(
+        "recompute", description="PPO's old log-probs: the sampler's, or the trainer's own at the step's weights "
+        "(a forward pass of their own, left out when one optimizer step takes the whole batch: the update's own "
+        "forward pass gives them then)")
     gamma: float = 1.0
     lam: float = 1.0
     critic_lr: float = 1e-5

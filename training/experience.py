@@ -46,11 +46,16 @@ class Experience:
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Experience:
-    """Right-pad the valid trajectories into tensors."""
-    width = max(len(t.input_ids) for t in trajectories)
+    """Right-pad the valid trajectories into tensors, each cut after its last agent token: what follows it (the
+    observation the environment answered the last reply with) is never trained on and, the attention being causal,
+    changes no trained token's log-prob or value, so no forward or backward pass spends time on it (at the bandit's
+    one turn, a quarter of every sequence; TRL's batches likewise end with the completion)."""
+    ends = [t.reward_index + 1 if t.reward_index >= 0 else len(t.input_ids) for t in trajectories]
+    width = max(ends)
 
     def pad(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+        return torch.tensor([r[:end] + [value] * (width - min(len(r), end)) for r, end in zip(rows, ends, strict=True)],
+                            dtype=dtype)
 
     return Experience(
         input_ids=pad([t.input_ids for t in trajectories], pad_id, torch.long),

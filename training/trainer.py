@@ -477,7 +477,11 @@ class PhaseTrainer:
 
     def prepare(self, exp: Experience) -> Experience:
         cfg = self.config
-        if cfg.old_logprobs == "recompute":
+        if cfg.old_logprobs == "recompute" and self._updates_once(exp):
+            # the batch's one optimizer step starts from the weights that would recompute them: the update's own
+            # forward pass gives them (detached), as TRL does when one update follows each generation
+            exp.old_logprobs = None
+        elif cfg.old_logprobs == "recompute":
             exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size, cfg.precision,
                                                  cfg.logprob_chunk)
         else:
@@ -492,6 +496,12 @@ class PhaseTrainer:
             values = sequence_values(self.critic, exp.input_ids, exp.attention_mask, cfg.micro_batch_size)
         estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam, values=values, grpo_norm_std=cfg.grpo_norm_std)
         return exp
+
+    def _updates_once(self, exp: Experience) -> bool:
+        """Whether the update takes one optimizer step on the whole batch (one epoch, one mini-batch) and nothing
+        reads the old log-probs before it (a KL penalty in the reward does)."""
+        cfg = self.config
+        return cfg.ppo_epochs == 1 and len(exp) <= cfg.mini_batch_size and not cfg.kl_in_reward
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """ppo_epochs passes of mini-batch updates; returns averaged actor metrics."""
@@ -516,6 +526,7 @@ class PhaseTrainer:
         weights = loss_weights(mb.mask, cfg.loss_agg, cfg.max_new_tokens)  # over the whole mini-batch
         parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/kl": 0.0, "actor/entropy": 0.0,
                  "actor/approx_kl": 0.0}
+        sampler = [0.0, 0.0, 0.0]  # old log-probs from this forward: sum exp(old - sampler), sum |old - sampler|, max
         for start in range(0, len(mb), cfg.micro_batch_size):
             rows = torch.arange(start, min(start + cfg.micro_batch_size, len(mb)))
             micro = mb.select(rows)
@@ -525,8 +536,15 @@ class PhaseTrainer:
                 logprobs, entropy = policy_forward(self.strategy.forward, ids, micro.attention_mask.to(self.device),
                                                    mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0,
                                                    chunk=cfg.logprob_chunk, head=self.model.get_output_embeddings())
+            if micro.old_logprobs is None:  # one optimizer step on the batch: the weights it starts from give them
+                old = logprobs.detach()
+                diff = ((old - micro.sampler_logprobs.to(self.device)) * mask).float().cpu()
+                sampler = [sampler[0] + float(diff.exp()[micro.mask.bool()].sum()),
+                           sampler[1] + float(diff.abs().sum()), max(sampler[2], float(diff.abs().max()))]
+            else:
+                old = micro.old_logprobs.to(self.device)
             loss = actor_loss(
-                logprobs, micro.old_logprobs.to(self.device),
+                logprobs, old,
                 micro.advantages.to(self.device), mask, clip=cfg.clip,
                 ref_logprobs=None if cfg.kl_in_reward or micro.ref_logprobs is None
                 else micro.ref_logprobs.to(self.device),
@@ -539,6 +557,11 @@ class PhaseTrainer:
                                ("actor/approx_kl", loss.approx_kl)):
                 parts[key] += value * share
         grad_norm = self.strategy.step()
+        if mb.old_logprobs is None and bool(mb.sampler_logprobs.ne(0).any()):  # a scripted engine gives none
+            # what training.experience.experience_stats reports when the old log-probs come before the update
+            parts |= {"actor/sampler_ratio": float(sampler[0] / total_tokens),
+                      "actor/sampler_logprob_absdiff": float(sampler[1] / total_tokens),
+                      "actor/sampler_logprob_absdiff_max": float(sampler[2])}
         if self.critic is not None:
             parts |= self._critic_update(mb)
         return parts | {"actor/grad_norm": float(grad_norm)}
