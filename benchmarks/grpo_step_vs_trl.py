@@ -29,12 +29,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 PROMPTS, SAMPLES, NEW_TOKENS, LR, KL = 8, 8, 64, 1e-6, 1e-3
 SPLIT = ("rollout", "reference", "old_logprobs", "update")
+
+
+def _timed(real: Callable[..., Any], charge: Callable[[tuple, float], None]) -> Callable[..., Any]:
+    """``real``, calling ``charge(its positional arguments, seconds it took)`` after each call."""
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            charge(args, time.perf_counter() - started)
+    return wrapped
 
 
 def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
@@ -50,17 +63,11 @@ def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
 
     torch.set_num_threads(1)
     spent = {"reference": 0.0, "old_logprobs": 0.0}
-    real = trainer_module.sequence_logprobs
 
-    def timed_logprobs(model: object, *args: object, **kwargs: object) -> object:
-        started = time.perf_counter()
-        try:
-            return real(model, *args, **kwargs)
-        finally:
-            which = "reference" if model is trainer.reference else "old_logprobs"
-            spent[which] += time.perf_counter() - started
+    def charge(args: tuple, seconds: float) -> None:
+        spent["reference" if args[0] is trainer.reference else "old_logprobs"] += seconds
 
-    trainer_module.sequence_logprobs = timed_logprobs
+    trainer_module.sequence_logprobs = _timed(trainer_module.sequence_logprobs, charge)
     settings = {"batch_items": PROMPTS, "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "temperature": 1.0,
                 "kl_coef": KL, "lr": LR, "mini_batch_size": PROMPTS * SAMPLES, "micro_batch_size": PROMPTS * SAMPLES,
                 "drop_flat_groups": False, "skip_flat_steps": False, "log_rollouts": False, "save_every": 10**6,
@@ -106,30 +113,17 @@ def _trl(model: str, steps: int, prompt: str) -> list[dict[str, float]]:
                           train_dataset=Dataset.from_dict({"prompt": [prompt] * (PROMPTS * steps)}))
     spent = {name: 0.0 for name in SPLIT} | {"tokens": 0.0}
 
-    def timing(name: str, method: str) -> None:
-        real = getattr(trainer, method)
+    def charge_logps(args: tuple, seconds: float) -> None:
+        if args[0] is trainer.ref_model:
+            spent["reference"] += seconds
+        elif not torch.is_grad_enabled():
+            spent["old_logprobs"] += seconds
 
-        def wrapped(*args: object, **kwargs: object) -> object:
-            started = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-        setattr(trainer, method, wrapped)
+    def charge_rollout(_: tuple, seconds: float) -> None:
+        spent["rollout"] += seconds
 
-    real_logps = trainer._get_per_token_logps_and_entropies
-
-    def logps(model: object, *args: object, **kwargs: object) -> object:
-        started = time.perf_counter()
-        try:
-            return real_logps(model, *args, **kwargs)
-        finally:
-            if model is trainer.ref_model:
-                spent["reference"] += time.perf_counter() - started
-            elif not torch.is_grad_enabled():
-                spent["old_logprobs"] += time.perf_counter() - started
-    trainer._get_per_token_logps_and_entropies = logps
-    timing("rollout", "_generate_and_score_completions")
+    trainer._get_per_token_logps_and_entropies = _timed(trainer._get_per_token_logps_and_entropies, charge_logps)
+    trainer._generate_and_score_completions = _timed(trainer._generate_and_score_completions, charge_rollout)
     rows: list[dict[str, float]] = []
 
     class Clock(TrainerCallback):
