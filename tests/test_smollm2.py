@@ -52,3 +52,31 @@ def test_the_packaged_smollm2_trains_a_babyai_phase_and_is_served_by_vllm(smollm
         (turn,) = sync.engine.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0))
         assert turn.token_ids and len(turn.logprobs) == len(turn.token_ids)
         sync.close()
+        _chat_api_evaluation(url, final, env_server("babyai"))
+
+
+def _chat_api_evaluation(url: str, model_dir, env_url: str) -> None:
+    """SmolLM2 behind vLLM's own OpenAI-compatible /v1/chat/completions (issue 49): messages in, text out, the
+    server applying the model's chat template; the prompts it counted are the ones our policy reads."""
+    from envs.local import local_client
+    from envs.registry import spec_class
+    from envs.splits import item_index, load_split
+    from training.evaluate import ChatSettings, evaluate_outside
+    from training.rollout import opening_messages
+    from training.vllm_engine import SERVED_NAME
+
+    items = [r["item_id"] for r in load_split("babyai", "test")[:2]]
+    result = evaluate_outside(url, SERVED_NAME, model_dir, "babyai", env_url, items, h=1, k=1, temperature=0.0,
+                              max_new_tokens=16, context_budget=1000, chat=ChatSettings())
+    assert result.api["requests"] == len(items) and result.api["retries"] == 0
+    assert sum(len(v) for v in result.success.values()) == len(items)
+    _, tokenizer = load_policy(model_dir)
+    client = local_client("babyai")
+    try:
+        ours = sum(len(ChatFormat(tokenizer).prompt(opening_messages(spec_class("babyai").conversation_start,
+                                                                     client.reset(item_index(i)).observation)))
+                   for i in items)
+    finally:
+        client.close()
+    assert result.api["prompt_tokens"] == ours  # the same instruction, observation and template, token for token
+    assert 0 < result.api["completion_tokens"] <= 16 * len(items)
