@@ -16,10 +16,10 @@ import numpy as np
 
 from training.checkpoint import MANIFEST, read_manifest
 from training.config import PolicyServerConfig
-from training.devices import distributed_backend, resolve_device
-from training.engine import HFEngine, PolicyEngine
+from training.devices import resolve_device
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
+from training.sampler import build_sampler
 
 
 def bootstrap_ci(values: list[float], resamples: int = 2000, level: float = 0.95, seed: int = 0
@@ -94,28 +94,17 @@ def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k
     torch_device = resolve_device(device)
     model, tokenizer = load_policy(model_dir, torch_device)
     model.eval()
-    sync = None
-    engine: PolicyEngine
-    if policy_url is None:
-        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=prefix_cache_gb)
-    else:
-        from training.vllm_engine import WeightSync
-
-        server = policy_server or PolicyServerConfig()
-        sync = WeightSync.serving(policy_url, tokenizer, model, Path(model_dir), tolerance=server.probe_tolerance,
-                                  transport=server.weight_transfer, backend=distributed_backend(torch_device),
-                                  host=server.weight_transfer_host)
-        engine = sync.engine
+    sampler = build_sampler(model, tokenizer, Path(model_dir), policy_url=policy_url, server=policy_server,
+                            device=torch_device, prefix_cache_gb=prefix_cache_gb)
     config = RolloutConfig(n_samples=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            context_budget=context_budget)
     try:
-        result = _collect(Rollout(env, url, engine, tokenizer, config), item_ids, h, batch_items)
-        cache = getattr(engine, "prefix_cache", None)
+        result = _collect(Rollout(env, url, sampler.engine, tokenizer, config), item_ids, h, batch_items)
+        cache = sampler.prefix_cache
         result.prefix_reused_tokens = cache.reused_tokens if cache is not None else 0
         return result
     finally:
-        if sync is not None:
-            sync.close()
+        sampler.close()
 
 
 def _collect(rollout: Rollout, item_ids: list[str], h: int, batch_items: int) -> EvalResult:

@@ -25,9 +25,9 @@ from envs.files import atomic_write
 from training.checkpoint import MANIFEST, folder_hash, read_manifest
 from training.config import SFTConfig
 from training.devices import resolve_device
-from training.engine import HFEngine
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
+from training.sampler import build_sampler
 from training.sft import sft
 from training.trajectory import Trajectory
 from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
@@ -78,14 +78,14 @@ def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig
     prefilling only what the turn before added, with ``config.prefix_cache_gb`` > 0)."""
     model, tokenizer = load_policy(policy, resolve_device(config.sft.device))
     model.eval()
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, prefix_cache_gb=config.prefix_cache_gb)
-    rollout = Rollout(env, url, engine, tokenizer, RolloutConfig(
+    sampler = build_sampler(model, tokenizer, policy, prefix_cache_gb=config.prefix_cache_gb)
+    rollout = Rollout(env, url, sampler.engine, tokenizer, RolloutConfig(
         n_samples=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
         seed=config.seed * 1000 + round_))
     out: list[Trajectory] = []
     for start in range(0, len(items), config.batch_items):
         out += rollout.run(items[start:start + config.batch_items], config.h, step=round_).trajectories
-    cache = engine.prefix_cache
+    cache = sampler.prefix_cache
     return Sampled(out, cache.reused_tokens if cache is not None else 0)
 
 

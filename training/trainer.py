@@ -47,8 +47,7 @@ from training.config import PolicyServerConfig, TrainConfig, mixed_envs
 from training.critic import ValueModel, explained_variance, sequence_values
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
-from training.devices import autocast, distributed_backend, peak_memory_gib, rank_device
-from training.engine import HFEngine, PolicyEngine
+from training.devices import autocast, peak_memory_gib, rank_device
 from training.experience import Experience, collate, estimate_advantages, experience_stats, sequence_logprobs
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.lora import load_adapter, save_lora, with_lora
@@ -56,7 +55,8 @@ from training.losses import actor_loss, loss_weights, policy_forward, value_loss
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, parse_urls, shares
 from training.model import load_policy
-from training.rollout import Rollout, RolloutConfig, RolloutResult, write_rollout_log
+from training.rollout import Rollout, RolloutResult, write_rollout_log
+from training.sampler import build_sampler, train_rollout_config
 from training.strategy import make_strategy
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,21 @@ class PhaseTrainer:
         state_dir = state_folder(source)  # beside an exported checkpoint, inside an intermediate one
         state = _load_state(state_dir / STATE) if (state_dir / STATE).exists() else {}
         self.device = rank_device(config.device)  # under several ranks, each its own (LOCAL_RANK), set before loading
+        self._setup_model(source, init_checkpoint, resume, manifest)
+        self._setup_reference(state, init_checkpoint)
+        self._setup_optimizer(source, state_dir, state)
+        self._setup_progress(init_checkpoint, resume, manifest, state)
+        self._setup_logging(resume)
+        self._setup_sampler(url, source, init_checkpoint, policy_url, policy_server)
+
+    def _setup_model(self, source: Path, init_checkpoint: Path, resume: Path | None,
+                     manifest: dict[str, Any] | None) -> None:
+        """The actor (and its tokenizer) on this rank's device: the source checkpoint's weights, or with LoRA
+        adapters on the phase's starting weights (a resume loads the adapters it had trained)."""
+        config = self.config
         if config.lora is None:
             self.model, self.tokenizer = load_policy(source, self.device)
-        else:  # adapters on the phase's starting weights; a resume loads the adapters it had trained
+        else:
             self.model, self.tokenizer = load_policy(init_checkpoint, self.device)
             torch.manual_seed(config.seed)  # the adapters' initialisation
             self.model = with_lora(self.model, config.lora)
@@ -111,10 +123,18 @@ class PhaseTrainer:
                 load_adapter(self.model, resume, (manifest or {}).get("lora", {}).get("adapter_sha256"))
         if config.gradient_checkpointing:  # activations recomputed in backward (training forwards only)
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+    def _setup_reference(self, state: dict[str, Any], init_checkpoint: Path) -> None:
+        """The frozen reference the KL term is taken against (the phase's start, or what the resumed run had), on
+        the actor's device; none without a KL term."""
         self.reference_path = Path(state.get("reference", init_checkpoint))
         self.reference = None
-        if config.kl_coef:
+        if self.config.kl_coef:
             self.reference = load_policy(self.reference_path, self.device)[0].eval().requires_grad_(False)
+
+    def _setup_optimizer(self, source: Path, state_dir: Path, state: dict[str, Any]) -> None:
+        """AdamW under the parallel strategy (its state resumed, at this phase's learning rate), and PPO's critic."""
+        config = self.config
         optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
                                       weight_decay=config.weight_decay)
         self.strategy = make_strategy(config.strategy, self.model, optimizer, config.grad_clip, config.zero_stage,
@@ -129,6 +149,12 @@ class PhaseTrainer:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
             if "critic_optimizer" in state:
                 self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    def _setup_progress(self, init_checkpoint: Path, resume: Path | None, manifest: dict[str, Any] | None,
+                        state: dict[str, Any]) -> None:
+        """Where the phase stands: RNG, global step, step budget (the adaptive curriculum's carried steps), the
+        guard's history, the cost ledger and the data position."""
+        config = self.config
         if "rng" in state:  # every sampling call reseeds from (seed, step, round); this keeps anything else exact
             torch.set_rng_state(state["rng"]["torch"])
         self.global_step = int(state.get("global_step", 0))
@@ -140,9 +166,9 @@ class PhaseTrainer:
         self.advanced: str | None = None
         self.last_stats: dict[str, float] = {}
         # the collapse guard: this run's earlier trips (rollbacks) and the signals since the phase began
-        self.identity = {"parent": folder_hash(init_checkpoint), "phase": phase, "h": h, "steps": steps,
-                         "config": config.model_dump()}
-        self.events = read_events(out_dir, self.identity)
+        self.identity = {"parent": folder_hash(init_checkpoint), "phase": self.phase, "h": self.h,
+                         "steps": self.steps, "config": config.model_dump()}
+        self.events = read_events(self.out_dir, self.identity)
         self.guard = Guard(config.guard, json.loads(state.get("guard_history", "[]")) if resume else None)
         last = self.events[-1] if self.events else None
         self.stop_at = last.rolled_back_to if last is not None and last.action == "end_phase" else None
@@ -156,8 +182,12 @@ class PhaseTrainer:
             self.first_step, self.parent = self.global_step, folder_hash(init_checkpoint)
             self.ledger = Ledger()
         position = int(state.get("data_position", 0))
-        self.data = DataStream(env, config, position) if len(self.envs) == 1 else \
+        self.data = DataStream(self.env, config, position) if len(self.envs) == 1 else \
             MixedData(self.envs, config, position)
+
+    def _setup_logging(self, resume: Path | None) -> None:
+        """Rank 0's metrics and rollout logs: restored with a resumed checkpoint, an earlier run's cleared."""
+        out_dir = self.out_dir
         self.leader = self.strategy.rank == 0  # only rank 0 logs metrics and writes the shared files
         if self.leader:
             remove_stale_staging(out_dir)
@@ -168,47 +198,41 @@ class PhaseTrainer:
         if self.leader and not resume:  # a fresh run: rollout logs of an earlier run with other settings go
             for stale in (out_dir / "rollouts").glob("step-*.jsonl"):
                 stale.unlink()
-        self.sync = None
-        engine: PolicyEngine
-        if config.engine == "vllm":
-            from training.vllm_engine import VLLMEngine, WeightSync
 
-            if policy_url is None:
-                raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
-            server = policy_server or PolicyServerConfig()
-            # a collective transfer sends the weights themselves: every rank takes part in gathering them (ZeRO-3)
-            weights = self.strategy.gather_weights() if server.weight_transfer == "collective" else None
-            if self.strategy.rank == 0:  # every rank samples from the one server; rank 0 keeps it in sync
-                # the server may hold any weights (a parent checkpoint, an earlier run): it serves the very
-                # checkpoint this run starts from, the resumed one included, verified before the first rollout
-                # with LoRA the server keeps the phase's starting weights and takes each new adapter in place
-                self.sync = WeightSync.serving(policy_url, self.tokenizer, self.model, source, self.global_step,
-                                               server.probe_tolerance,
-                                               adapter_base=init_checkpoint if config.lora is not None else None,
-                                               transport=server.weight_transfer,
-                                               backend=distributed_backend(self.device),
-                                               host=server.weight_transfer_host, state=weights)
-                engine = self.sync.engine
-            else:
-                engine = VLLMEngine(policy_url, self.tokenizer.eos_token_id)
+    def _setup_sampler(self, url: str | Mapping[str, str], source: Path, init_checkpoint: Path,
+                       policy_url: str | None, policy_server: PolicyServerConfig | None) -> None:
+        """The engine (``training.sampler``) and the rollout over the environment server(s)."""
+        config = self.config
+        if config.engine == "vllm" and policy_url is None:
+            raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
+        server = policy_server or PolicyServerConfig()
+        served = config.engine == "vllm"
+        # a collective transfer sends the weights themselves: every rank takes part in gathering them (ZeRO-3)
+        weights = self.strategy.gather_weights() if served and server.weight_transfer == "collective" else None
+        # ZeRO-3 keeps the weights outside the module's parameters, where the hf engine's cache cannot see them change
+        zero3 = config.strategy == "deepspeed" and config.zero_stage == 3
+        # vllm: every rank samples from the one server; rank 0 keeps it in sync. The server may hold any weights (a
+        # parent checkpoint, an earlier run): it serves the very checkpoint this run starts from, the resumed one
+        # included, verified before the first rollout; with LoRA it keeps the phase's starting weights and takes
+        # each new adapter in place
+        sampler = build_sampler(self.model, self.tokenizer, source, policy_url=policy_url if served else None,
+                                server=server, device=self.device,
+                                prefix_cache_gb=0.0 if zero3 else config.prefix_cache_gb, step=self.global_step,
+                                adapter_base=init_checkpoint if config.lora is not None else None, state=weights,
+                                syncs=self.strategy.rank == 0)
+        if served:
             self.strategy.barrier()
-        else:
-            # ZeRO-3 keeps the weights outside the module's parameters, where the cache cannot see them change
-            zero3 = config.strategy == "deepspeed" and config.zero_stage == 3
-            engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                              prefix_cache_gb=0.0 if zero3 else config.prefix_cache_gb)
-        self.prefix_cache = getattr(engine, "prefix_cache", None)  # hf engine: KV kept between turns
+        self.sync = sampler.sync
+        engine = sampler.engine
+        self.prefix_cache = sampler.prefix_cache  # hf engine: KV kept between turns
         self.stale = False  # the actor changed since the server's last sync
         # max_staleness 1: the next step's rollout, generated while this step updates (its items already taken)
         self.prefetched: tuple[int, Any, dict[str, Any]] | None = None
         self._prefetcher: Any = None
-        rollout_config = RolloutConfig(
-            n_samples=config.n_samples, max_new_tokens=config.max_new_tokens, context_budget=config.context_budget,
-            max_trajectory_tokens=config.max_trajectory_tokens, max_trajectory_seconds=config.max_trajectory_seconds,
-            mode=config.rollout_mode, async_batch=config.async_batch,
-            temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+        rollout_config = train_rollout_config(config)
         self.rollout: Rollout | MixedRollout = (
-            Rollout(env, url, engine, self.tokenizer, rollout_config) if len(self.envs) == 1 and isinstance(url, str)
+            Rollout(self.env, url, engine, self.tokenizer, rollout_config)
+            if len(self.envs) == 1 and isinstance(url, str)
             else mixed_rollout(self.envs, parse_urls(self.envs, url), engine, self.tokenizer, rollout_config, config))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:
