@@ -438,61 +438,69 @@ def _pairs(pairs: list[str]) -> dict[str, object]:
     return out
 
 
+def _warm_command(env: str, method: str, init: str | None, out: str, device: str, url: str | None = None,
+                  **settings: object) -> list:
+    """The CLI's warm-start commands: ``settings`` (None: the stage's default) as a warm-start stage of ``method``,
+    run by the pipeline's own :func:`training.methods.run_warm_stage` into the stage folder ``out``; returns the
+    checkpoints it wrote."""
+    from pathlib import Path
+
+    from training.config import base_model_dir, load_params, server_config
+    from training.methods import run_warm_stage
+    from training.warm import parse_stage, stage_checkpoints
+
+    _check_env(env)
+    _device(device)
+    params = load_params()
+    try:
+        stage = parse_stage({"method": method, **{k: v for k, v in settings.items() if v is not None}})
+    except ValueError as err:
+        _fail(str(err))
+    try:
+        run_warm_stage(env, 0, stage, Path(init) if init else base_model_dir(params), Path(out), url,
+                       server_config(env, params), progress=True, device=device)
+    except (ValueError, RuntimeError, OSError) as err:
+        _fail(str(err))
+    return stage_checkpoints(Path(out), stage)
+
+
+SUB_TASK_HELP = "only these sub-tasks (repeatable)"
+LORA_HELP = "train LoRA adapters of this rank only (0: every weight); the checkpoint holds the merged weights and " \
+            "the adapter in lora/"
+ENV_URL_HELP = "environment server URL (default: start one)"
+
+
 @app.command()
 def sft(
     env: EnvArg,
     init: Annotated[str | None, typer.Option(help="model folder to fine-tune (default: models/<model.preset>)")]
     = None,
-    out: Annotated[str, typer.Option(help="checkpoint folder to write")] = "runs/sft",
+    out: Annotated[str, typer.Option(help="stage folder: the checkpoint in final/, the expert episodes in "
+                                          "episodes.jsonl")] = "runs/sft",
     episodes: Annotated[int | None, typer.Option(help="expert episodes from the training split (64 unless --from)")]
     = None,
-    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
     epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
     lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
     max_tokens: Annotated[int, typer.Option(help="longest episode trained on (longer ones are left out, counted)")]
     = 2048,
-    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
-                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
     from_: Annotated[list[str] | None, typer.Option("--from", help="train on the successful episodes recorded in "
                                                     "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
                                                     "DPO pairs) instead of expert episodes (repeatable)")] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from)."""
-    from pathlib import Path
+    """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from): a warm-start
+    stage (``method: sft``) run as the pipeline runs one."""
+    from training.checkpoint import read_manifest
 
-    from training.config import base_model_dir, load_params
-    from training.sft import SFTConfig, expert_conversations, sft_items
-    from training.sft import sft as run_sft
-
-    _check_env(env)
-    _device(device)
-    record: dict[str, object] = {}
     if from_ and (episodes is not None or sub_task):
         _fail("--episodes and --sub-task choose expert episodes; --from trains on every successful episode of its "
               "files: give one or the other")
-    if from_:
-        from training.store import read_episodes
-
-        try:
-            records, sources = read_episodes([Path(p) for p in from_])
-        except (OSError, ValueError) as err:
-            _fail(str(err))
-        conversations = records  # their own token ids where they are in this tokenizer
-        record = {"source": "recorded", "sources": sources}  # the lineage: which files, by their sha256
-    else:
-        episodes = 64 if episodes is None else episodes
-        with console.status(f"playing {episodes} {env} expert episodes"):
-            conversations = expert_conversations(env, sft_items(env, episodes, sub_tasks=sub_task))
-    source = Path(init) if init else base_model_dir(load_params())
-    try:
-        path = run_sft(source, Path(out), conversations, SFTConfig(epochs=epochs, lr=lr, max_tokens=max_tokens,
-                                                               lora=_lora(lora_r), device=device),
-                       progress=True, record=record)
-    except ValueError as err:
-        _fail(str(err))
-    from training.checkpoint import read_manifest
-
+    expert_items = None if from_ else 64 if episodes is None else episodes
+    [path] = _warm_command(env, "sft", init, out, device, items=expert_items,
+                           sub_tasks=sub_task or None, epochs=epochs, lr=lr, max_tokens=max_tokens, lora_r=lora_r,
+                           recorded=from_ or None)
     manifest = read_manifest(path)
     left_out = manifest["episodes_over_max_tokens"]
     console.print(f"SFT on {manifest['episodes']} episodes -> {path}" +
@@ -508,48 +516,26 @@ def rft(
     k: Annotated[int, typer.Option(help="episodes sampled per item each round")] = 4,
     h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
     items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
-    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
     keep: Annotated[str, typer.Option(help="all successful episodes, or each item's shortest")] = "all",
     temperature: Annotated[float, typer.Option(help="sampling temperature")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
     epochs: Annotated[int, typer.Option(help="SFT passes over each round's kept episodes")] = 3,
     lr: Annotated[float, typer.Option(help="SFT learning rate")] = 1e-3,
-    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL (default: start one)")] = None,
-    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
-                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
-    successful ones and SFT on them; a rerun continues after the last finished round."""
-    import contextlib
-    from pathlib import Path
-
-    from envs.launcher import running_replicas
-    from training.config import SFTConfig, base_model_dir, load_params, server_config
-    from training.rft import RFTConfig
-    from training.rft import rft as run_rft
-    from training.sft import sft_items
-
-    _check_env(env)
-    params = load_params()
-    try:
-        config = RFTConfig(rounds=rounds, k=k, h=h, keep=keep, temperature=temperature,
-                           max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb,
-                           sft=SFTConfig(epochs=epochs, lr=lr, lora=_lora(lora_r), device=_device(device)))
-    except ValueError as err:
-        _fail(str(err))
-    ids = sft_items(env, items, sub_tasks=sub_task)
-    with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
-        try:
-            folders = run_rft(Path(init) if init else base_model_dir(params), Path(out), env, base, ids, config,
-                              progress=True)
-        except (ValueError, RuntimeError) as err:
-            _fail(str(err))
+    successful ones and SFT on them; a rerun continues after the last finished round. A warm-start stage
+    (``method: rft``) run as the pipeline runs one."""
     from training.checkpoint import read_manifest
 
+    folders = _warm_command(env, "rft", init, out, device, url, rounds=rounds, k=k, h=h, items=items,
+                            sub_tasks=sub_task or None, keep=keep, temperature=temperature,
+                            max_new_tokens=max_new_tokens, epochs=epochs, lr=lr, lora_r=lora_r,
+                            prefix_cache_gb=prefix_cache_gb)
     for folder in folders:
         m = read_manifest(folder)
         console.print(f"round {m['round']}: kept {m['kept']} of {m['sampled']} episodes (sampling success "
@@ -562,56 +548,29 @@ def dpo(
     env: EnvArg,
     init: Annotated[str | None, typer.Option(help="policy to start from, also the frozen reference "
                                                   "(default: models/<model.preset>)")] = None,
-    out: Annotated[str, typer.Option(help="checkpoint folder to write (pairs in <out>.pairs.jsonl)")] = "runs/dpo",
+    out: Annotated[str, typer.Option(help="stage folder: the checkpoint in final/, the pairs in "
+                                          "final.pairs.jsonl")] = "runs/dpo",
     k: Annotated[int, typer.Option(help="episodes sampled per item to make pairs")] = 4,
     h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
     items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
-    sub_task: Annotated[list[str] | None, typer.Option(help="only these sub-tasks (repeatable)")] = None,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
     beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
     epochs: Annotated[int, typer.Option(help="passes over the pairs")] = 3,
     lr: Annotated[float, typer.Option(help="learning rate")] = 5e-5,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
-    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
-                                            help="environment server URL (default: start one)")] = None,
-    lora_r: Annotated[int, typer.Option(help="train LoRA adapters of this rank only (0: every weight); the "
-                                             "checkpoint holds the merged weights and the adapter in lora/")] = 0,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
     device: DeviceOpt = "cpu",
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
-    on the assistant tokens against the frozen starting policy."""
-    import contextlib
-    from pathlib import Path
-
-    from envs.launcher import running_replicas
-    from training.checkpoint import folder_hash
-    from training.config import SFTConfig, base_model_dir, load_params, server_config
-    from training.dpo import DPOConfig, preference_pairs
-    from training.dpo import dpo as run_dpo
-    from training.rft import RFTConfig, sample
-    from training.sft import sft_items
-
-    _check_env(env)
-    params = load_params()
-    try:
-        config = DPOConfig(beta=beta, epochs=epochs, lr=lr, lora=_lora(lora_r), device=_device(device))
-        sampling = RFTConfig(k=k, h=h, max_new_tokens=max_new_tokens, prefix_cache_gb=prefix_cache_gb,
-                             sft=SFTConfig(device=device))  # the sampling's device
-    except ValueError as err:
-        _fail(str(err))
-    policy = Path(init) if init else base_model_dir(params)
-    with contextlib.ExitStack() as stack:
-        base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
-        with console.status(f"sampling {k} episodes on each of {items} {env} items"):
-            sampled = sample(policy, env, base, sft_items(env, items, sub_tasks=sub_task), sampling, 0)
-            pairs = preference_pairs(sampled.trajectories, config.max_pairs_per_item, config.seed)
-    try:
-        path = run_dpo(policy, Path(out), pairs, config, progress=True,
-                       provenance={"policy": folder_hash(policy), "env": env, "h": h})
-    except ValueError as err:
-        _fail(str(err))
+    on the assistant tokens against the frozen starting policy. A warm-start stage (``method: dpo``) run as the
+    pipeline runs one."""
     from training.checkpoint import read_manifest
 
+    [path] = _warm_command(env, "dpo", init, out, device, url, k=k, h=h, items=items, sub_tasks=sub_task or None,
+                           beta=beta, epochs=epochs, lr=lr, max_new_tokens=max_new_tokens, lora_r=lora_r,
+                           prefix_cache_gb=prefix_cache_gb)
     m = read_manifest(path)
     console.print(f"DPO on {m['pairs']} pairs of {m['items']} items: loss {m['first_loss']:.3f} -> "
                   f"{m['final_loss']:.3f}, {m['accuracy_after']:.0%} of pairs preferred the right way -> {path}")

@@ -71,9 +71,10 @@ def test_the_cli_samples_pairs_and_trains(bandit_warm_start, tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SCALINGINTER_ENV_URL"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    manifest = read_manifest(tmp_path / "dpo")
+    manifest = read_manifest(tmp_path / "dpo" / "final")  # the stage's layout: the CLI runs a warm-start stage
     assert "DPO on" in done.stdout and manifest["kind"] == "dpo" and manifest["config"]["lora"]["r"] == 4
-    assert (tmp_path / "dpo" / "lora" / "adapter_model.safetensors").exists()  # LoRA through the CLI
-    first = json.loads((tmp_path / "dpo.pairs.jsonl").read_text().splitlines()[0])
+    assert manifest["warm_start"]["method"] == "dpo" and manifest["warm_start"]["k"] == 4
+    assert (tmp_path / "dpo" / "final" / "lora" / "adapter_model.safetensors").exists()  # LoRA through the CLI
+    first = json.loads((tmp_path / "dpo" / "final.pairs.jsonl").read_text().splitlines()[0])
     assert (first["policy"], first["env"], first["h"]) == (folder_hash(bandit_warm_start), "bandit", 1)  # provenance
     assert first["chosen"]["input_ids"] and first["chosen"]["tokenizer"]  # the store's token ids

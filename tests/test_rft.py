@@ -131,7 +131,7 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
            str(tmp_path / "sft"), "--from", str(tmp_path / "rft" / "round-0.jsonl"), "--epochs", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    manifest = read_manifest(tmp_path / "sft")
+    manifest = read_manifest(tmp_path / "sft" / "final")
     assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
     assert manifest["recorded_token_ids"] == len(records)  # trained on the very tokens sampled, not re-encoded
     # a warm-start stage of the pipeline can train on the same records (`recorded:` in params.yaml)

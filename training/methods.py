@@ -29,12 +29,14 @@ from training.warm import DPOStage, RFTStage, SFTStage
 
 
 def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, init: Path, out: Path,
-                   url: str | None = None, server: ServerConfig | None = None, progress: bool = False) -> Path:
+                   url: str | None = None, server: ServerConfig | None = None, progress: bool = False,
+                   device: str | None = None) -> Path:
     """Run warm-start stage ``index`` of ``env`` from ``init`` into the folder ``out``; returns its checkpoint.
     Sampling methods use the environment server at ``url``, or servers started here with ``server`` (a
     ``ServerConfig``) and always stopped; SFT on expert episodes plays them in-process. The model (training and
-    sampling) goes where the work pool places it (``SCALINGINTER_DEVICE``, cpu by default)."""
-    device = placement()
+    sampling) goes on ``device``, by default where the work pool places it (``SCALINGINTER_DEVICE``, cpu by
+    default). The pipeline's stages and the CLI's ``sft``, ``rft`` and ``dpo`` commands all run through here."""
+    device = device or placement()
     resolve_device(device)  # a device that is not here: an error before any work
     record = {"warm_start": {"index": index, **stage.model_dump()}}
     out.mkdir(parents=True, exist_ok=True)
