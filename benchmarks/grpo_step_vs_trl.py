@@ -163,8 +163,8 @@ def bandit_prompt() -> str:
     """The rollout's first prompt on the bandit: its opening messages in the project's chat format, as text."""
     from envs.bandit.backend import OBSERVATION
     from envs.registry import spec_class
+    from training.chat_format import ChatFormat, opening_messages
     from training.model import load_policy
-    from training.rollout import ChatFormat, opening_messages
 
     _, tokenizer = load_policy(str(_model()))
     return ChatFormat(tokenizer).render(opening_messages(spec_class("bandit").conversation_start, OBSERVATION),

@@ -104,9 +104,9 @@ def stage_prep(args: argparse.Namespace) -> None:
     from envs.local import local_client
     from envs.registry import load_backend
     from envs.splits import item_index
+    from training.chat_format import ChatFormat, opening_messages
     from training.data import DataStream
     from training.model import load_policy
-    from training.rollout import ChatFormat, opening_messages
     from training.sft import SFTConfig, sft
 
     items_file = RUNS / "items.json"

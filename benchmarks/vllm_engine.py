@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
+    from training.chat_format import ChatFormat
     from training.config import PolicyServerConfig
     from training.engine import HFEngine, SamplingParams
     from training.model import load_policy
-    from training.rollout import ChatFormat
     from training.vllm_engine import VLLMEngine, WeightChannel, WeightSync, probe_sequence, running_vllm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

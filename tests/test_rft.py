@@ -78,9 +78,9 @@ def test_the_cli_runs_rounds_on_a_server_it_starts(bandit_warm_start, tmp_path) 
 
 def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(env_server, bandit_warm_start,
                                                                                tmp_path) -> None:
+    from training.chat_format import ChatFormat
     from training.model import load_policy
     from training.rft import sample
-    from training.rollout import ChatFormat
     from training.store import recorded_trajectory
 
     _, tokenizer = load_policy(bandit_warm_start)

@@ -14,9 +14,10 @@ from envs.launcher import running_server
 from envs.local import local_client
 from envs.registry import expert
 from envs.splits import item_index, load_split
+from training.chat_format import ChatFormat, opening_messages
 from training.config import curriculum_config
 from training.engine import Generation, HFEngine, ScriptedEngine
-from training.rollout import ChatFormat, Rollout, RolloutConfig, opening_messages
+from training.rollout import Rollout, RolloutConfig
 
 
 def _engine(policy) -> HFEngine:
@@ -246,10 +247,10 @@ def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny
     """A text met again is not tokenised again (one tokenizer call for the texts not kept, each once), its ids are
     the tokenizer's, a caller cannot change what is kept by changing what it got, and only the ENCODED_TEXTS texts
     met most recently are kept, ENCODED_IDS ids at most."""
-    import training.rollout as rollout_module
+    import training.chat_format as chat_format_module
 
     tokenizer = tiny_policy[1]
-    monkeypatch.setattr(rollout_module, "ENCODED_TEXTS", 3)
+    monkeypatch.setattr(chat_format_module, "ENCODED_TEXTS", 3)
     chat = ChatFormat(tokenizer)
     calls = []
     real = chat.tokenizer
@@ -276,7 +277,7 @@ def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny
     group = [[{"role": "user", "content": "a task"}]] * 4
     assert chat.prompts(group) == [chat.prompt(group[0])] * 4 and calls[-1] == [chat.render(group[0], True)]
     long = "a long observation " * 50
-    monkeypatch.setattr(rollout_module, "ENCODED_IDS", len(real(long, add_special_tokens=False)["input_ids"]) + 5)
+    monkeypatch.setattr(chat_format_module, "ENCODED_IDS", len(real(long, add_special_tokens=False)["input_ids"]) + 5)
     assert chat.encode_many([long]) == [real(long, add_special_tokens=False)["input_ids"]]
     assert list(chat._encoded) == [long]  # the others were dropped to keep within ENCODED_IDS
     assert chat._encoded_ids == sum(len(ids) for ids in chat._encoded.values())

@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from envs.launcher import ROOT
+from training.chat_format import ChatFormat
 from training.checkpoint import read_manifest
 from training.config import PolicyServerConfig, TrainConfig
 from training.engine import SamplingParams
 from training.model import load_policy
-from training.rollout import ChatFormat
 from training.trainer import train_phase
 from training.vllm_engine import VLLMEngine, WeightSync, probe_sequence, running_vllm, weights_hash
 
@@ -61,8 +61,8 @@ def _chat_api_evaluation(url: str, model_dir, env_url: str) -> None:
     from envs.local import local_client
     from envs.registry import spec_class
     from envs.splits import item_index, load_split
+    from training.chat_format import opening_messages
     from training.evaluate import ChatSettings, evaluate_outside
-    from training.rollout import opening_messages
     from training.vllm_engine import SERVED_NAME
 
     items = [r["item_id"] for r in load_split("babyai", "test")[:2]]

@@ -23,9 +23,9 @@ import yaml
 
 from envs.launcher import ROOT, free_port
 from flows.cli import _pairs
+from training.chat_format import ChatFormat
 from training.config import PolicyServerConfig, train_config
 from training.engine import SamplingParams
-from training.rollout import ChatFormat
 from training.trainer import PhaseTrainer
 from training.vllm_engine import (
     EngineError,

@@ -16,13 +16,13 @@ from transformers import AutoTokenizer
 
 from envs.files import atomic_write
 from envs.launcher import running_replicas
+from training.chat_format import ChatFormat
 from training.checkpoint import folder_hash
 from training.config import ServerConfig, SFTConfig
 from training.devices import placement, resolve_device
 from training.dpo import DPOConfig, dpo, preference_pairs
 from training.lora import lora_of_rank
 from training.rft import RFTConfig, rft, sample
-from training.rollout import ChatFormat
 from training.sft import expert_episodes, sft, sft_items, to_trajectory
 from training.store import read_episodes
 from training.warm import DPOStage, RFTStage, SFTStage

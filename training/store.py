@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from training.chat_format import ChatFormat
 from training.checkpoint import sha256_file
-from training.rollout import ChatFormat
 from training.trajectory import Trajectory
 
 

@@ -454,7 +454,7 @@ def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
 
 def probe_sequence(tokenizer: Any) -> list[int]:
     """A fixed sequence in the policy's own chat format (special tokens included): a prompt and a reply."""
-    from training.rollout import ChatFormat
+    from training.chat_format import ChatFormat
 
     chat = ChatFormat(tokenizer)
     return chat.prompt([{"role": "user", "content": "Probe: go to the red ball, then open the yellow door."}]) + \
