@@ -22,8 +22,9 @@ from envs.launcher import ROOT, start_server, stop_server
 from envs.paths import scratch_dir
 from training.checkpoint import MANIFEST, CheckpointError
 from training.config import TrainConfig
+from training.phase_files import remove_stale_staging
 from training.rollout import RolloutResult, rollout_stats, write_rollout_log
-from training.trainer import EnvironmentFailure, PhaseTrainer, remove_stale_staging, train_phase
+from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
 from training.trajectory import Trajectory
 
 CONFIG = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=4, micro_batch_size=4,
