@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from envs.launcher import ROOT, free_port
-from flows.cli import _pairs
+from flows.cli_common import pairs
 from training.chat_format import ChatFormat
 from training.config import PolicyServerConfig, train_config
 from training.engine import SamplingParams
@@ -296,7 +296,7 @@ def test_a_killed_phase_resumes_serving_the_resumed_checkpoint(vllm_url, env_ser
     model, tokenizer = tiny_policy
     stale = WeightSync(VLLMEngine(vllm_url, tokenizer.eos_token_id), probe_sequence(tokenizer))
     stale.push(model, 0, folder=tiny_model_dir)  # the server now holds other weights than the resumed checkpoint's
-    config = train_config("babyai", overrides=_pairs(sets))  # what the command line ran with
+    config = train_config("babyai", overrides=pairs(sets))  # what the command line ran with
     trainer = PhaseTrainer("babyai", 0, 2, 4, tiny_model_dir, out, config, url, policy_url=vllm_url)
     served = trainer.sync.version
     assert trainer.global_step == int(resumed.name.split("-")[1]) >= 2

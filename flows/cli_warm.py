@@ -1,0 +1,184 @@
+"""The warm-start commands: ``warm-stage`` (one stage of a curriculum, as its DVC stage runs it) and ``sft``,
+``rft`` and ``dpo`` (one stage of the settings given), all through :func:`training.methods.run_warm_stage`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from flows.cli_common import DeviceOpt, EnvArg, app, check_env, console, device_here, fail
+from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
+
+
+@app.command("warm-stage")
+def warm_stage_cmd(
+    env: EnvArg,
+    index: Annotated[int, typer.Option(help="warm-start stage index (phases.yaml <env>.warm_<index>)")] = 0,
+    init: Annotated[str | None, typer.Option(help="checkpoint to start from (default: the previous stage's, or "
+                                                  "the base model)")] = None,
+    out: Annotated[str | None, typer.Option(help="stage folder (default: runs/<env>/warm-<index>)")] = None,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL",
+                                            help="environment server URL for the sampling methods (default: "
+                                                 "start env_server.replicas)")] = None,
+) -> None:
+    """Run one warm-start stage of ENV's curriculum (sft, rft or dpo before the first RL phase), as its DVC stage
+    does: its settings from phases.yaml (params.yaml ``curriculum.<env>.profiles.<profile>.warm_start``), its model
+    where SCALINGINTER_DEVICE places it (cpu by default)."""
+    from pathlib import Path
+
+    from envs.paths import project_root
+    from training.config import ConfigError, load_params, server_config, warm_spec
+    from training.methods import run_warm_stage
+
+    check_env(env)
+    root = project_root()
+    try:
+        stage, start, folder = warm_spec(env, index, root)
+        server = server_config(env, load_params(root / "params.yaml"))
+    except ConfigError as err:
+        fail(str(err))
+    try:
+        path = run_warm_stage(env, index, stage, Path(init) if init else start, Path(out) if out else folder, url,
+                              server, progress=True)
+    except (ValueError, RuntimeError, OSError) as err:
+        fail(str(err))
+    console.print(f"warm start {index} ({stage.method}) done: {path}")
+
+def _warm_command(env: str, method: str, init: str | None, out: str, device: str, url: str | None = None,
+                  **settings: object) -> list:
+    """The CLI's warm-start commands: ``settings`` (None: the stage's default) as a warm-start stage of ``method``,
+    run by the pipeline's own :func:`training.methods.run_warm_stage` into the stage folder ``out``; returns the
+    checkpoints it wrote."""
+    from pathlib import Path
+
+    from training.config import base_model_dir, load_params, server_config
+    from training.methods import run_warm_stage
+    from training.warm import parse_stage, stage_checkpoints
+
+    check_env(env)
+    device_here(device)
+    params = load_params()
+    try:
+        stage = parse_stage({"method": method, **{k: v for k, v in settings.items() if v is not None}})
+    except ValueError as err:
+        fail(str(err))
+    try:
+        run_warm_stage(env, 0, stage, Path(init) if init else base_model_dir(params), Path(out), url,
+                       server_config(env, params), progress=True, device=device)
+    except (ValueError, RuntimeError, OSError) as err:
+        fail(str(err))
+    return stage_checkpoints(Path(out), stage)
+
+
+SUB_TASK_HELP = "only these sub-tasks (repeatable)"
+LORA_HELP = "train LoRA adapters of this rank only (0: every weight); the checkpoint holds the merged weights and " \
+            "the adapter in lora/"
+ENV_URL_HELP = "environment server URL (default: start one)"
+
+
+@app.command()
+def sft(
+    env: EnvArg,
+    init: Annotated[str | None, typer.Option(help="model folder to fine-tune (default: models/<model.preset>)")]
+    = None,
+    out: Annotated[str, typer.Option(help="stage folder: the checkpoint in final/, the expert episodes in "
+                                          "episodes.jsonl")] = "runs/sft",
+    episodes: Annotated[int | None, typer.Option(help="expert episodes from the training split (64 unless --from)")]
+    = None,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
+    epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
+    lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+    max_tokens: Annotated[int, typer.Option(help="longest episode trained on (longer ones are left out, counted)")]
+    = 2048,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
+    from_: Annotated[list[str] | None, typer.Option("--from", help="train on the successful episodes recorded in "
+                                                    "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
+                                                    "DPO pairs) instead of expert episodes (repeatable)")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from): a warm-start
+    stage (``method: sft``) run as the pipeline runs one."""
+    from training.checkpoint import read_manifest
+
+    if from_ and (episodes is not None or sub_task):
+        fail("--episodes and --sub-task choose expert episodes; --from trains on every successful episode of its "
+              "files: give one or the other")
+    expert_items = None if from_ else 64 if episodes is None else episodes
+    [path] = _warm_command(env, "sft", init, out, device, items=expert_items,
+                           sub_tasks=sub_task or None, epochs=epochs, lr=lr, max_tokens=max_tokens, lora_r=lora_r,
+                           recorded=from_ or None)
+    manifest = read_manifest(path)
+    left_out = manifest["episodes_over_max_tokens"]
+    console.print(f"SFT on {manifest['episodes']} episodes -> {path}" +
+                  (f" ({left_out} longer than {max_tokens} tokens left out)" if left_out else ""))
+
+
+@app.command()
+def rft(
+    env: EnvArg,
+    init: Annotated[str | None, typer.Option(help="policy to start from (default: models/<model.preset>)")] = None,
+    out: Annotated[str, typer.Option(help="folder of the rounds: round-<r>/ and round-<r>.jsonl")] = "runs/rft",
+    rounds: Annotated[int, typer.Option(help="sample -> keep successes -> SFT rounds")] = 2,
+    k: Annotated[int, typer.Option(help="episodes sampled per item each round")] = 4,
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
+    keep: Annotated[str, typer.Option(help="all successful episodes, or each item's shortest")] = "all",
+    temperature: Annotated[float, typer.Option(help="sampling temperature")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
+    epochs: Annotated[int, typer.Option(help="SFT passes over each round's kept episodes")] = 3,
+    lr: Annotated[float, typer.Option(help="SFT learning rate")] = 1e-3,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
+    successful ones and SFT on them; a rerun continues after the last finished round. A warm-start stage
+    (``method: rft``) run as the pipeline runs one."""
+    from training.checkpoint import read_manifest
+
+    folders = _warm_command(env, "rft", init, out, device, url, rounds=rounds, k=k, h=h, items=items,
+                            sub_tasks=sub_task or None, keep=keep, temperature=temperature,
+                            max_new_tokens=max_new_tokens, epochs=epochs, lr=lr, lora_r=lora_r,
+                            prefix_cache_gb=prefix_cache_gb)
+    for folder in folders:
+        m = read_manifest(folder)
+        console.print(f"round {m['round']}: kept {m['kept']} of {m['sampled']} episodes (sampling success "
+                      f"{m['sample_success']:.1%}; {m.get('sample_prefix_reused_tokens', 0)} prompt tokens not "
+                      f"prefilled again) -> {folder}")
+
+
+@app.command()
+def dpo(
+    env: EnvArg,
+    init: Annotated[str | None, typer.Option(help="policy to start from, also the frozen reference "
+                                                  "(default: models/<model.preset>)")] = None,
+    out: Annotated[str, typer.Option(help="stage folder: the checkpoint in final/, the pairs in "
+                                          "final.pairs.jsonl")] = "runs/dpo",
+    k: Annotated[int, typer.Option(help="episodes sampled per item to make pairs")] = 4,
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
+    beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
+    epochs: Annotated[int, typer.Option(help="passes over the pairs")] = 3,
+    lr: Annotated[float, typer.Option(help="learning rate")] = 5e-5,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
+    url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
+    on the assistant tokens against the frozen starting policy. A warm-start stage (``method: dpo``) run as the
+    pipeline runs one."""
+    from training.checkpoint import read_manifest
+
+    [path] = _warm_command(env, "dpo", init, out, device, url, k=k, h=h, items=items, sub_tasks=sub_task or None,
+                           beta=beta, epochs=epochs, lr=lr, max_new_tokens=max_new_tokens, lora_r=lora_r,
+                           prefix_cache_gb=prefix_cache_gb)
+    m = read_manifest(path)
+    console.print(f"DPO on {m['pairs']} pairs of {m['items']} items: loss {m['first_loss']:.3f} -> "
+                  f"{m['final_loss']:.3f}, {m['accuracy_after']:.0%} of pairs preferred the right way -> {path}")
