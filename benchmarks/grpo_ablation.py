@@ -54,20 +54,32 @@ BASE: dict[str, Any] = {k: v for k, v in PARAMS["train"].items() if k != "guard"
 
 #: TextCraft: what differs from BabyAI's task (the longest expert reply is 72 tokens; depth 2-3 goals take the
 #: expert a median of 5 and 9 turns)
+#: TextCraft's warm start is SFT in rounds of ``warm.epochs`` epochs, each continuing the last one's checkpoint (a
+#: fresh optimizer, the episodes shuffled again): ``--warm-epochs 4`` is two rounds, in ``warm-e2/`` then ``warm-e4/``
 TEXTCRAFT = {"sub_tasks": ["depth2", "depth3"], "max_new_tokens": 80,
-             "warm": {"epochs": 4, "lr": 1.0e-3, "batch_size": 8, "group_by_length": True}}
+             "warm": {"epochs": 2, "lr": 1.0e-3, "batch_size": 8, "group_by_length": True}, "variants": 8}
+#: the warm start's name in the JSONs of its evaluation (BabyAI's is the study's; TextCraft's first one, 4 epochs
+#: over one episode per train goal, has the untagged ``warm-h10-n123.json``) and the checkpoint GRPO starts from
+WARM_TAG = ""
+WARM = WORKSPACE / "warm"
 
 
-def use_env(env: str) -> None:
-    """Point the module's workspace and JSON folders at ``env``'s task (BabyAI's are the defaults)."""
-    global ENV, DOCS, CONTROL, WORKSPACE, BASE
+def use_env(env: str, warm_epochs: int = 4) -> None:
+    """Point the module's workspace and JSON folders at ``env``'s task (BabyAI's are the defaults); TextCraft's
+    warm start is the one of ``warm_epochs`` epochs."""
+    global ENV, DOCS, CONTROL, WORKSPACE, BASE, WARM_TAG, WARM
     if env == "babyai":
         return
     if env != "textcraft":
         raise SystemExit(f"--env {env}: this benchmark has babyai and textcraft")
     ENV, DOCS, WORKSPACE = env, ROOT / "docs" / "learning" / env, ROOT / "runs" / f"grpo-ablation-{env}"
-    CONTROL = DOCS / "control"
+    per_round = TEXTCRAFT["warm"]["epochs"]
+    if warm_epochs < per_round or warm_epochs % per_round:
+        raise SystemExit(f"--warm-epochs {warm_epochs}: TextCraft's warm start trains in rounds of {per_round} epochs")
+    CONTROL = DOCS / f"control-e{warm_epochs}"
     BASE = BASE | {"max_new_tokens": TEXTCRAFT["max_new_tokens"]}
+    WARM_TAG = f"reshuffled{TEXTCRAFT['variants']}-e{warm_epochs}-"
+    WARM = WORKSPACE / f"warm-e{warm_epochs}"
 
 #: each arm: what it changes from BASE
 ARMS: dict[str, dict[str, Any]] = {
@@ -113,13 +125,50 @@ def _prepare_textcraft() -> Path:
                 if r["sub_task"] in TEXTCRAFT["sub_tasks"]]
         data = {"sft": expert_episodes("textcraft", [r["item_id"] for r in train]), "grpo": grpo, "held_out": held}
         Path("items.json").write_text(json.dumps(data))
-    if not (Path("warm") / "config.json").exists():
-        from benchmarks.curriculum_study import base_model
+    if not Path("sft-reshuffled.json").exists():
+        train = [r["item_id"] for r in load_split("textcraft", "train")]
+        episodes = [e for v in range(TEXTCRAFT["variants"])
+                    for e in expert_episodes("textcraft", train, backend=_reshuffled_backend(v)).values()]
+        Path("sft-reshuffled.json").write_text(json.dumps(episodes))
+    per_round, start = TEXTCRAFT["warm"]["epochs"], None
+    for epochs in range(per_round, int(WARM.name.removeprefix("warm-e")) + 1, per_round):
+        folder = Path(f"warm-e{epochs}")
+        if not (folder / "config.json").exists():
+            from benchmarks.curriculum_study import base_model
 
-        episodes = list(json.loads(Path("items.json").read_text())["sft"].values())
-        shutil.rmtree("warm", ignore_errors=True)
-        sft(base_model(), Path("warm"), episodes, SFTConfig(**TEXTCRAFT["warm"]), progress=True)
+            episodes, seed = json.loads(Path("sft-reshuffled.json").read_text()), epochs - per_round
+            random.Random(seed).shuffle(episodes)
+            shutil.rmtree(folder, ignore_errors=True)
+            sft(start or base_model(), folder, episodes, SFTConfig(**TEXTCRAFT["warm"] | {"seed": seed}),
+                progress=True)
+        start = folder
     return WORKSPACE
+
+
+def _reshuffled_backend(variant: int) -> Any:
+    """TextCraft's backend with every goal's recipe lines drawn again: variant 0 shows each goal as the
+    environment does; variant v > 0 draws its distractors and their order with a generator of its own. The SFT
+    data thus shows each train goal among several sets of lines, so that the policy learns to read the item
+    names off the observation rather than to recall one text per goal (one episode per goal, 4 epochs, gave a
+    policy that fetched the same items whatever the goal: 0 of 123 held-out goals)."""
+    import random
+
+    from envs.registry import load_backend
+    from envs.textcraft.backend import MAX_DISTRACTORS
+
+    backend = load_backend("textcraft")
+    if variant == 0:
+        return backend
+
+    def episode_recipes(data_idx: int) -> list[str]:
+        rng = random.Random(f"{data_idx}/{variant}")
+        true = backend.tree.recipe_tree(backend.goal(data_idx).item)
+        shown = true + backend.tree.distractors(true, rng, MAX_DISTRACTORS)
+        rng.shuffle(shown)
+        return list(dict.fromkeys(r.command() for r in shown))
+
+    backend.episode_recipes = episode_recipes
+    return backend
 
 
 def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: float) -> list[float]:
@@ -133,11 +182,11 @@ def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: floa
 
 def warm_eval(url: str, items: list[str], h: int, sampled: bool = True) -> dict[str, list[float] | None]:
     """The warm start's per-item success at ``h`` (greedy and sampled), kept in docs/learning/."""
-    path = DOCS / f"warm-h{h}-n{len(items)}.json"
+    path = DOCS / f"warm-{WARM_TAG}h{h}-n{len(items)}.json"
     if path.exists():
         return json.loads(path.read_text())
-    out = {"greedy": _evaluate(WORKSPACE / "warm", url, items, h, 0.0),
-           "sampled": _evaluate(WORKSPACE / "warm", url, items, h, 1.0) if sampled else None}
+    out = {"greedy": _evaluate(WARM, url, items, h, 0.0),
+           "sampled": _evaluate(WARM, url, items, h, 1.0) if sampled else None}
     DOCS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out) + "\n")
     return out
@@ -186,7 +235,7 @@ def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, 
     if docs != DOCS and not folder.exists() and (trained / "final").exists():  # the ablation trained it already
         shutil.copytree(trained, folder)
     started = time.perf_counter()
-    final = train_phase(ENV, 0, h, steps, WORKSPACE / "warm", folder, config=config, url=url, progress=True)
+    final = train_phase(ENV, 0, h, steps, WARM, folder, config=config, url=url, progress=True)
     train_s = time.perf_counter() - started
     if docs != DOCS and (DOCS / out.name).exists():  # trained by the ablation: its time is the training's
         train_s = json.loads((DOCS / out.name).read_text())["train_seconds"]
@@ -242,7 +291,7 @@ def table(h: int, steps: int) -> list[dict[str, Any]]:
 
 
 def warm_eval_cached(h: int, n: int) -> dict[str, list[float]] | None:
-    path = DOCS / f"warm-h{h}-n{n}.json"
+    path = DOCS / f"warm-{WARM_TAG}h{h}-n{n}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -300,6 +349,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["prepare", "run", "report", "control", "control-report"])
     parser.add_argument("--env", default="babyai", choices=["babyai", "textcraft"])
+    parser.add_argument("--warm-epochs", type=int, default=4, help="TextCraft: the warm start's SFT epochs")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--h", type=int, default=4)
@@ -308,7 +358,7 @@ def main() -> None:
     parser.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                         help="also evaluate sampled at temperature 1.0 (one sample per item)")
     args = parser.parse_args()
-    use_env(args.env)
+    use_env(args.env, args.warm_epochs)
     if args.command == "report":
         print(report(args.h, args.steps))
         return

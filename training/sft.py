@@ -23,6 +23,7 @@ from envs.corpus import played_episode
 from envs.local import local_client
 from envs.registry import spec_class
 from envs.splits import item_index, load_split
+from training.chat_format import ChatFormat, opening_messages
 from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
 from training.config import SFTConfig
 from training.devices import resolve_device
@@ -30,7 +31,6 @@ from training.experience import collate
 from training.lora import save_lora, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
-from training.rollout import ChatFormat, opening_messages
 from training.store import recorded_trajectory, training_conversation
 from training.trajectory import Trajectory
 
@@ -45,11 +45,12 @@ def expert_conversations(env: str, item_ids: list[str], count: int | None = None
 
 
 def expert_episodes(env: str, item_ids: list[str], count: int | None = None, max_turns: int | None = None,
-                    expert: str = "default") -> dict[str, list[dict[str, str]]]:
+                    expert: str = "default", backend: Any = None) -> dict[str, list[dict[str, str]]]:
     """``{item_id: messages}`` of :func:`expert_conversations`, played by the environment's expert ``expert``
-    (``envs.registry.expert``); an episode the expert fails is left out (logged)."""
+    (``envs.registry.expert``) on ``backend`` (default: the environment's own); an episode the expert fails is
+    left out (logged)."""
     start = spec_class(env).conversation_start
-    client = local_client(env)
+    client = local_client(env, backend)
     out: dict[str, list[dict[str, str]]] = {}
     failed = 0
     try:
