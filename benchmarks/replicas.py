@@ -149,7 +149,8 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     from training.config import PolicyServerConfig
     from training.model import load_policy
     from training.rollout import Rollout, RolloutConfig
-    from training.vllm_engine import VLLMEngine, running_vllm
+    from training.vllm_engine import VLLMEngine
+    from training.vllm_server import running_vllm
 
     model_dir = tiny_model()
     _, tokenizer = load_policy(model_dir)

@@ -40,7 +40,9 @@ def main() -> None:
     from training.config import PolicyServerConfig
     from training.engine import HFEngine, SamplingParams
     from training.model import load_policy
-    from training.vllm_engine import VLLMEngine, WeightChannel, WeightSync, probe_sequence, running_vllm
+    from training.vllm_engine import VLLMEngine
+    from training.vllm_server import running_vllm
+    from training.weight_sync import WeightChannel, WeightSync, probe_sequence
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))

@@ -140,10 +140,10 @@ def eval_outside_cmd(
     from pathlib import Path
 
     from training.config import ConfigError, base_model_dir, load_params
+    from training.engine import EngineError
     from training.eval_stage import run_outside_eval
     from training.evaluate import ChatSettings
     from training.layout import Run
-    from training.vllm_engine import EngineError
 
     check_env(env)
     if api not in ("completions", "chat"):

@@ -33,8 +33,7 @@ from typing import Any
 
 import httpx
 
-from training.engine import SamplingParams
-from training.vllm_engine import EngineError
+from training.engine import EngineError, SamplingParams
 
 #: statuses worth asking again: rate limits and the server's own failures
 RETRYABLE = {408, 409, 425, 429, 500, 502, 503, 504}

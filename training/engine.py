@@ -282,3 +282,11 @@ class ScriptedEngine:
             ids = [*ids[: params.max_new_tokens - 1], self.eos_token_id]
             out.append(Generation(ids, [0.0] * len(ids), True))
         return out
+
+
+class EngineError(RuntimeError):
+    """The policy server is unreachable, failed a request, or serves other weights than the trainer's."""
+
+
+class ServerUnreachable(EngineError):
+    """A policy server did not answer at all (after the engine's retries): down, not merely refusing a request."""

@@ -42,7 +42,7 @@ from training.config import (
 )
 from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
-from training.vllm_engine import running_vllm
+from training.vllm_server import running_vllm
 
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None

@@ -48,7 +48,8 @@ def build_sampler(model: torch.nn.Module, tokenizer: Any, source: Path, *, polic
     if policy_url is None:
         return Sampler(HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                 prefix_cache_gb=prefix_cache_gb))
-    from training.vllm_engine import VLLMEngine, WeightSync
+    from training.vllm_engine import VLLMEngine
+    from training.weight_sync import WeightSync
 
     if not syncs:
         return Sampler(VLLMEngine(policy_url, tokenizer.eos_token_id))
