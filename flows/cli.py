@@ -238,8 +238,9 @@ def train_phase_cmd(
     machines, SCALINGINTER_NNODES with SCALINGINTER_RDZV_ENDPOINT (the same command on every node)."""
     from pathlib import Path
 
-    from training.config import ConfigError, base_model_dir, build_phase_spec, load_params
+    from training.config import ConfigError, base_model_dir, load_params
     from training.phase import run_phase
+    from training.specs import build_phase_spec
     from training.strategy import exit_rank
 
     check_envs(env)

@@ -29,8 +29,9 @@ def warm_stage_cmd(
     from pathlib import Path
 
     from envs.paths import project_root
-    from training.config import ConfigError, load_params, server_config, warm_spec
+    from training.config import ConfigError, load_params, server_config
     from training.methods import run_warm_stage
+    from training.specs import warm_spec
 
     check_env(env)
     root = project_root()

@@ -16,9 +16,10 @@ from envs.launcher import start_server, stop_server
 from envs.paths import project_root
 from tasks.stages import Outcome, run_command, run_stage
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params, phase_spec, warm_spec
+from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params
 from training.layout import Run, report_file
 from training.phase import run_phase as train_one_phase
+from training.specs import phase_spec, warm_spec
 from training.warm import checkpoint_of
 
 

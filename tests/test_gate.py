@@ -18,10 +18,11 @@ import yaml
 
 from flows.dvc_pipeline import render
 from flows.export import export_phase, export_result
-from training.config import ConfigError, GateConfig, load_params, phase_spec
+from training.config import ConfigError, GateConfig, load_params
 from training.gate import decide, paired_interval, run_gate, run_result
 from training.layout import Run
 from training.lineage import lineage
+from training.specs import phase_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,8 @@ import yaml
 
 from envs.launcher import ROOT
 from flows.dvc_pipeline import check, render
-from training.config import curriculum_config, load_params, start_checkpoint
+from training.config import curriculum_config, load_params
+from training.specs import start_checkpoint
 
 
 def _resolved(params: dict, folder: Path) -> dict[str, dict]:

@@ -113,7 +113,8 @@ def test_scalinginter_check_exits_1_naming_the_fix_and_0_when_it_fits() -> None:
 def test_a_phase_resolves_the_pools_device_in_process_as_in_a_subprocess(monkeypatch) -> None:
     """SCALINGINTER_DEVICE places the phase trained in process (the pipeline's path) as it does the CLI's and the
     evaluation's: one reader (training.devices.placement), applied by the one settings builder."""
-    from training.config import eval_config, phase_spec, train_config
+    from training.config import eval_config, train_config
+    from training.specs import phase_spec
 
     monkeypatch.setenv("SCALINGINTER_DEVICE", "cuda:0")
     assert phase_spec("babyai", 0, ROOT).train.device == "cuda:0"

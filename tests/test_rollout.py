@@ -521,8 +521,9 @@ def test_a_phase_started_without_a_url_spreads_over_env_server_replicas(tiny_mod
     rollout log says which held each trajectory), and all of them are stopped afterwards."""
     import psutil
 
-    from training.config import PhaseSpec, ServerConfig, TrainConfig
+    from training.config import ServerConfig, TrainConfig
     from training.phase import run_phase
+    from training.specs import PhaseSpec
 
     def servers() -> set[int]:  # this process's own (another xdist worker starts servers of its own meanwhile)
         return {p.pid for p in psutil.Process().children(recursive=True) if "envs.server" in " ".join(p.cmdline())}

@@ -36,12 +36,12 @@ from training.config import (
     load_params,
     mixed_components,
     policy_server_config,
-    read_promotion,
     server_config,
     train_config,
 )
 from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
+from training.specs import read_promotion
 from training.vllm_server import running_vllm
 
 

@@ -40,17 +40,15 @@ from training.checkpoint import folder_hash
 from training.config import (
     ConfigError,
     GateConfig,
-    PhaseSpec,
     curriculum_config,
     eval_config,
     gate_config,
     load_params,
-    phase_spec,
     policy_server_config,
-    read_promotion,
 )
 from training.eval_stage import eval_servers, test_items
 from training.layout import Run
+from training.specs import PhaseSpec, phase_spec, read_promotion
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
 PROMOTION_KEYS = ("checkpoint", "hash", "decision", "stop")

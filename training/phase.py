@@ -16,8 +16,9 @@ from pathlib import Path
 from envs.files import atomic_write
 from envs.launcher import running_replicas
 from training.checkpoint import MANIFEST
-from training.config import PhaseSpec, mixed_envs
+from training.config import mixed_envs
 from training.mixed import parse_urls
+from training.specs import PhaseSpec
 from training.trainer import train_phase
 
 
