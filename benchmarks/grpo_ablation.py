@@ -151,24 +151,9 @@ def _reshuffled_backend(variant: int) -> Any:
     data thus shows each train goal among several sets of lines, so that the policy learns to read the item
     names off the observation rather than to recall one text per goal (one episode per goal, 4 epochs, gave a
     policy that fetched the same items whatever the goal: 0 of 123 held-out goals)."""
-    import random
+    from envs.textcraft.backend import Backend
 
-    from envs.registry import load_backend
-    from envs.textcraft.backend import MAX_DISTRACTORS
-
-    backend = load_backend("textcraft")
-    if variant == 0:
-        return backend
-
-    def episode_recipes(data_idx: int) -> list[str]:
-        rng = random.Random(f"{data_idx}/{variant}")
-        true = backend.tree.recipe_tree(backend.goal(data_idx).item)
-        shown = true + backend.tree.distractors(true, rng, MAX_DISTRACTORS)
-        rng.shuffle(shown)
-        return list(dict.fromkeys(r.command() for r in shown))
-
-    backend.episode_recipes = episode_recipes
-    return backend
+    return Backend(variant=variant)
 
 
 def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: float) -> list[float]:

@@ -52,7 +52,10 @@ class Backend(base.Backend):
     create_options = ("commands", "goal")  # AgentGym's /create {commands, goal}: a task of the client's own
     views = ("commands", "goal", "detail")
 
-    def __init__(self, recipes_dir: str | None = None, goals_path: str | None = None) -> None:
+    def __init__(self, recipes_dir: str | None = None, goals_path: str | None = None, variant: int = 0) -> None:
+        """``variant`` > 0 shows every goal among other recipe lines (its distractors and their order drawn with a
+        generator of that variant's own): the same goals seen again, for SFT data; 0 is the environment's text."""
+        self.variant = variant
         self.tree: CraftingTree = load_tree(Path(recipes_dir) if recipes_dir else None)
         self.goals: tuple[Goal, ...] = tuple(load_goals(Path(goals_path) if goals_path else GOALS_PATH))
         check_goals(self.tree, list(self.goals))  # once, at start: fail loudly if the data drifted
@@ -87,7 +90,8 @@ class Backend(base.Backend):
     def episode_recipes(self, data_idx: int) -> list[str]:
         """The recipe lines shown for ``data_idx``: recipe tree + distractors, shuffled, duplicates dropped."""
         goal = self.goal(data_idx)
-        rng = random.Random(data_idx)  # the instance's own RNG: same index, same text, in any thread
+        # the instance's own RNG: same index, same text, in any thread
+        rng = random.Random(data_idx) if not self.variant else random.Random(f"{data_idx}/{self.variant}")
         true = self.tree.recipe_tree(goal.item)
         shown: list[Recipe] = true + self.tree.distractors(true, rng, MAX_DISTRACTORS)
         rng.shuffle(shown)
