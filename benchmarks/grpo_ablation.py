@@ -92,6 +92,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "no-kl-no-entropy": {"kl_coef": 0.0, "entropy_coef": 0.0},
     "kl-0.05": {"kl_coef": 0.05},
     "seq-mean-lr-5e-5": {"loss_agg": "seq-mean-token-mean", "lr": 5e-5},
+    "seq-mean-lr-5e-5-n8": {"loss_agg": "seq-mean-token-mean", "lr": 5e-5, "n_samples": 8},
 }
 
 

@@ -39,7 +39,9 @@ class TrainConfig(BaseModel):
     """Everything one curriculum phase needs besides its h and step count."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = Field(
+        "grpo", description="the advantage estimator: GRPO (group-normalised), RLOO (leave-one-out), REINFORCE++ "
+        "(batch-normalised returns) or PPO (GAE with a critic)")
     engine: Literal["hf", "vllm"] = Field("hf", description="who samples the rollouts: transformers' generate in "
                                           "this process, or a vLLM server fed the new weights after every update")
     strategy: Literal["torch", "deepspeed"] = Field("torch", description="who applies the loss to the weights: "
@@ -48,9 +50,9 @@ class TrainConfig(BaseModel):
     device: str = Field("cpu", description="auto, cpu, cuda[:N] or npu[:N]")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 autocasts the forward passes (weights and optimizer stay float32)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the item order, the sampling and the initialisation of new parts")
     # data
-    split: str = "train"
+    split: str = Field("train", description="the split whose items train (data/<env>/<split>.json)")
     sub_tasks: list[str] | None = Field(None, description="train only on these sub-tasks (e.g. ['GoTo'])")
     mix: dict[str, MixShare] = Field(default_factory=dict, description="a mixed run's environments (--env a,b,c): "
                                      "each one's weight, turn cap and sub-tasks; weight 1, no cap where unnamed")
@@ -59,8 +61,9 @@ class TrainConfig(BaseModel):
     batch_items: int = Field(4, ge=1, description="items per training step")
     n_samples: int = Field(4, ge=1, description="trajectories per item (the GRPO group)")
     # rollout
-    max_new_tokens: int = Field(48, ge=1)
-    context_budget: int = Field(2048, ge=16)
+    max_new_tokens: int = Field(48, ge=1, description="tokens per assistant turn")
+    context_budget: int = Field(2048, ge=16, description="tokens per trajectory, prompt and every "
+                                "turn: a trajectory that would pass it ends, cut off")
     prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
     max_trajectory_tokens: int | None = Field(None, ge=1, description="generated tokens per trajectory, all its "
                                               "turns together (None: no bound beyond h and the context clamp)")
@@ -75,11 +78,11 @@ class TrainConfig(BaseModel):
                                     "all that are ready)")
     max_staleness: int = Field(0, ge=0, le=1, description="1: generate step t+1's rollout (on the vLLM server, "
                                "with the weights before step t's update) while step t updates; 0: on-policy")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1.0: the full distribution)")
     # update
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = 0.01
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate of the policy")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
     mini_batch_size: int = Field(8, ge=1, description="trajectories per optimizer step")
     micro_batch_size: int = Field(8, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = Field(1, ge=1, description="passes over the step's mini-batches")
@@ -90,15 +93,15 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
                                          "pass instead of keeping them: a long context's activations shrink from "
                                          "every layer's to one layer's, for ~1/3 more update time (same losses)")
-    clip: float = 0.2
+    clip: float = Field(0.2, gt=0, description="PPO's clip range of the probability ratio")
     loss_agg: LossAggregation = Field("token-mean", description="how a mini-batch's tokens are weighed in the "
                                       "loss: token-mean (each token the same), seq-mean-token-mean (each trajectory "
                                       "the same) or seq-mean-token-sum-norm (each trajectory's token sum over "
                                       "max_new_tokens, Dr. GRPO); see training.losses")
-    kl_coef: float = 1e-3
+    kl_coef: float = Field(1e-3, ge=0, description="weight of the KL to the reference model (0: no reference pass)")
     kl_in_reward: bool = Field(False, description="subtract kl_coef * KL from rewards instead of a loss term")
-    entropy_coef: float = 1e-3
-    grad_clip: float = 1.0
+    entropy_coef: float = Field(1e-3, ge=0, description="weight of the entropy bonus")
+    grad_clip: float = Field(1.0, gt=0, description="clip the gradient's global norm to this")
     skip_flat_steps: bool = Field(False, description="a step whose advantages are all zero (every group flat) "
                                   "makes no update; otherwise (verl's behaviour) Adam steps full-size along the "
                                   "KL and entropy terms alone, which can wreck a small SFT'd policy")
@@ -112,15 +115,15 @@ class TrainConfig(BaseModel):
         "recompute", description="PPO's old log-probs: the sampler's, or the trainer's own at the step's weights "
         "(a forward pass of their own, left out when one optimizer step takes the whole batch: the update's own "
         "forward pass gives them then)")
-    gamma: float = 1.0
-    lam: float = 1.0
-    critic_lr: float = 1e-5
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of the returns (reinforce_pp, ppo)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda (ppo)")
+    critic_lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the critic (ppo)")
     lora: LoraSettings | None = Field(None, description="train LoRA adapters only (the base weights stay as they "
                                       "were); checkpoints hold the merged weights and the adapter in lora/")
     # checkpoints
     save_every: int = Field(1, ge=1, description="write an intra-phase checkpoint every N steps")
-    keep_checkpoints: int = Field(2, ge=1)
-    log_rollouts: bool = True
+    keep_checkpoints: int = Field(2, ge=1, description="intra-phase checkpoints kept (the newest ones)")
+    log_rollouts: bool = Field(True, description="write every step's trajectories to the phase's rollouts/ (JSONL)")
     guard: GuardConfig = Field(default_factory=GuardConfig, description="the collapse guard: signals watched per "
                                "step, and the rollback when one trips (training/guard.py)")
     failed_rollout_retries: int = Field(2, ge=0, description="a step whose every trajectory hit an environment "
@@ -302,8 +305,8 @@ class EvalConfig(BaseModel):
                                         "promotion gate's items too); None: every sub-task")
     k: int = Field(1, ge=1, description="samples per item (Avg@k, Pass@k)")
     temperature: float = Field(1.0, ge=0, description="0 is greedy (then k must be 1)")
-    max_new_tokens: int = Field(48, ge=1)
-    seed: int = 0
+    max_new_tokens: int = Field(48, ge=1, description="tokens per assistant turn")
+    seed: int = Field(0, description="seed of the sampling")
     batch_items: int = Field(4, ge=1, description="items rolled out at once")
     h: int | None = Field(None, ge=1, description="turn cap; None: the last curriculum phase's h")
     context_budget: int | None = Field(None, ge=16, description="tokens per trajectory; None: the training "
@@ -351,8 +354,9 @@ class GateConfig(BaseModel):
         "retry", description="retry: train the phase again from its best intra-phase checkpoint at lr x lr_factor "
         "(max_retries times; then the parent is promoted); stop: promote the parent and end the curriculum; "
         "mark: promote the phase anyway, marked")
-    max_retries: int = Field(1, ge=1, le=5)
-    lr_factor: float = Field(0.1, gt=0, lt=1)
+    max_retries: int = Field(1, ge=1, le=5, description="on_reject retry: trainings again before the "
+                             "parent is promoted")
+    lr_factor: float = Field(0.1, gt=0, lt=1, description="on_reject retry: the learning rate's factor")
     resamples: int = Field(2000, ge=100, description="bootstrap resamples of the interval")
 
 
@@ -426,7 +430,7 @@ class PolicyServerConfig(BaseModel):
         "so no shared-memory queue between them, whose readers spin for a second after every message and took a "
         "core from the environments and the trainer: lock-step SciWorld rollouts ~2.4x faster on 2 cores); `mp` in a "
         "worker process of its own, vLLM's CPU default, the one `cpu_threads_bind` binds")
-    startup_timeout_s: float = Field(300.0, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0, description="seconds the server may take to answer /health")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments")
     replicas: int = Field(1, ge=1, description="servers of the policy side by side (data parallel, as OpenRLHF's "
                           "vllm_num_engines): each on its own GPU (NPU), or on a CPU its own share of the cores; "

@@ -129,7 +129,8 @@ class CurriculumConfig(BaseModel):
     """One environment's curriculum, as written in params.yaml."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    mode: Mode = "scaling_inter"
+    mode: Mode = Field("scaling_inter", description="scaling_inter: h grows phase by phase (h1, delta_h, every, "
+                       "or schedule); fixed: one phase at fixed_h; adaptive: h advances early by the adaptive rule")
     cap: int = Field(ge=1, description="the environment's maximum number of turns (paper, Appendix B)")
     total_steps: int = Field(ge=1, description="training steps over the whole curriculum")
     h1: int | None = Field(None, ge=1, description="first phase's turn cap (recurrence form)")
@@ -137,7 +138,7 @@ class CurriculumConfig(BaseModel):
     every: int | None = Field(None, ge=1, description="steps per phase, the paper's Delta (recurrence form)")
     schedule: list[tuple[int, int]] | None = Field(None, description="explicit (h, steps) list instead")
     fixed_h: int | None = Field(None, ge=1, description="turn cap of the fixed baseline")
-    adaptive: AdaptiveRule = AdaptiveRule()
+    adaptive: AdaptiveRule = Field(AdaptiveRule(), description="mode adaptive: when h advances before its phase ends")
     warm_start: list[WarmStage] = Field(default_factory=list, description="phases of other types (sft, rft, dpo) "
                                         "before the first RL phase, in order, each from the last (training.warm)")
 

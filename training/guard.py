@@ -29,7 +29,7 @@ class GuardConfig(BaseModel):
     """Thresholds of the collapse guard (null switches a signal off) and what a trip does."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    enabled: bool = True
+    enabled: bool = Field(True, description="false: no signal is watched")
     max_kl: float | None = Field(1.0, gt=0, description="actor/kl, the KL to the reference per token")
     max_grad_norm: float | None = Field(1.0e3, gt=0, description="actor/grad_norm before clipping")
     baseline_steps: int = Field(2, ge=1, description="the phase's first steps set the baseline of the relative "
@@ -43,10 +43,10 @@ class GuardConfig(BaseModel):
                                              "this far above its baseline")
     max_reward_drop: float | None = Field(0.34, gt=0, description="trip when reward/mean, averaged over "
                                           "reward_window steps, falls this far below its best such average")
-    reward_window: int = Field(3, ge=1)
+    reward_window: int = Field(3, ge=1, description="steps averaged by max_reward_drop")
     action: Literal["lower_lr", "end_phase"] = Field("lower_lr", description="after a rollback: go on with the "
                                                      "learning rate times lr_factor, or end the phase there")
-    lr_factor: float = Field(0.1, gt=0, lt=1)
+    lr_factor: float = Field(0.1, gt=0, lt=1, description="lower_lr: the learning rate's factor after a rollback")
     max_retries: int = Field(2, ge=0, description="lower_lr trips per phase; the next one ends the phase")
 
 

@@ -24,7 +24,7 @@ class LoraSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     r: int = Field(8, ge=1, description="adapter rank")
     alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / r) B A")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       description="module names to adapt (Qwen2's attention projections)")
 

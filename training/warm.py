@@ -45,13 +45,13 @@ class _Method(BaseModel):
                                   "first `items` such items: every method of a warm start then sees the same ones)")
     epochs: int = Field(3, ge=1, description="passes over the stage's training data")
     lora_r: int = Field(0, ge=0, description="train LoRA adapters of this rank only (0: every weight)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the stage's data order and sampling")
 
 
 class _Sampling(BaseModel):
     k: int = Field(4, ge=1, description="episodes sampled per item")
     h: int = Field(6, ge=1, description="turn cap of the sampled episodes")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the episodes")
     max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
     batch_items: int = Field(8, ge=1, description="items rolled out at once")
     prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
@@ -61,10 +61,10 @@ class SFTStage(_Method):
     """Supervised fine-tuning on expert episodes of ``items`` training items, or on the successful episodes
     recorded in ``recorded`` (JSONL files or folders: a phase's rollouts/, RFT rounds, DPO pairs)."""
 
-    method: Literal["sft"]
+    method: Literal["sft"] = Field(description="the stage's method")
     recorded: list[str] | None = Field(None, description="recorded episode files instead of expert episodes")
-    lr: float = Field(1e-3, gt=0)
-    batch_size: int = Field(8, ge=1)
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    batch_size: int = Field(8, ge=1, description="episodes per optimizer step")
     max_tokens: int = Field(2048, ge=16, description="longest episode trained on (longer ones left out, counted)")
     group_by_length: bool = Field(False, description=GROUP_BY_LENGTH_HELP)
     expert: str = Field("default", description="who plays the expert episodes: the environment's own expert, or one "
@@ -85,21 +85,21 @@ class SFTStage(_Method):
 class RFTStage(_Method, _Sampling):
     """Rejection sampling (AgentEvol-style): ``rounds`` of sample k per item -> keep successes -> SFT."""
 
-    method: Literal["rft"]
+    method: Literal["rft"] = Field(description="the stage's method")
     rounds: int = Field(2, ge=1, description="rounds; the pipeline runs each as its own stage (and evaluates it)")
     round: int = Field(0, ge=0, description="the first round's index (set by the pipeline for each round's stage)")
-    keep: Literal["all", "shortest"] = "all"
-    lr: float = Field(1e-3, gt=0)
+    keep: Literal["all", "shortest"] = Field("all", description="every successful episode, or each item's shortest")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of each round's SFT")
 
 
 class DPOStage(_Method, _Sampling):
     """DPO on the policy's own episodes: each item's successes against its failures."""
 
-    method: Literal["dpo"]
-    beta: float = Field(0.1, gt=0)
-    lr: float = Field(5e-5, gt=0)
-    batch_pairs: int = Field(8, ge=1)
-    max_pairs_per_item: int = Field(4, ge=1)
+    method: Literal["dpo"] = Field(description="the stage's method")
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how far from the reference the preference may pull")
+    lr: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    batch_pairs: int = Field(8, ge=1, description="pairs per update")
+    max_pairs_per_item: int = Field(4, ge=1, description="at most this many pairs of one item")
 
 
 WarmStage = Annotated[SFTStage | RFTStage | DPOStage, Field(discriminator="method")]
