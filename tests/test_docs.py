@@ -76,3 +76,63 @@ def test_every_command_is_on_the_cli_page() -> None:
     assert len(commands) > 15
     for name in commands:
         assert f"## `scalinginter {name}`" in page, name
+
+
+#: each command the README shows, by its program and sub-command, and the test that runs it (through the same
+#: program and sub-command, as a user types it)
+README_COMMANDS = {
+    "make run": "tests/test_flow.py::test_flow_runs_the_curriculum_and_a_killed_run_resumes",  # its scalinginter run
+    "make test": ".ci/run",
+    "scalinginter run": "tests/test_openworld_flow.py::test_main_job_runs_the_open_world_environments",
+    "dvc repro": "tests/test_pipeline.py::test_dvc_repro_runs_the_curriculum_then_nothing_then_only_what_changed",
+    "scalinginter pipeline": "tests/test_pipeline.py::test_changing_one_phase_changes_only_it_and_later_phases",
+    "scalinginter check": "tests/test_preflight.py::test_scalinginter_check_exits_1_naming_the_fix_and_0_when_it_fits",
+    "scalinginter lineage": "tests/test_flow.py::test_flow_runs_the_curriculum_and_a_killed_run_resumes",
+    "scalinginter export": "tests/test_flow.py::test_flow_runs_the_curriculum_and_a_killed_run_resumes",
+    "scalinginter eval": "tests/test_flow.py::test_flow_runs_the_curriculum_and_a_killed_run_resumes",
+    "prefect deployment": "tests/test_deployment.py::test_prefect_deployment_run_babyai_end_to_end",
+}
+
+
+def _readme_commands() -> list[str]:
+    """The program and sub-command of every line of the README's bash blocks."""
+    text, found, inside = (ROOT / "README.md").read_text(), [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = line.strip() == "```bash"
+            continue
+        words = line.split("#")[0].split()
+        if inside and words:
+            found.append(" ".join(words[:2]))
+    return found
+
+
+def _test_source(node: str) -> str:
+    import ast
+
+    path, _, name = node.partition("::")
+    source = (ROOT / path).read_text()
+    if not name:
+        return source
+    for item in ast.parse(source).body:
+        if isinstance(item, ast.FunctionDef) and item.name == name:
+            return ast.get_source_segment(source, item) or ""
+    raise AssertionError(f"{node}: no such test")
+
+
+def test_every_command_the_readme_shows_is_run_by_a_test() -> None:
+    commands = _readme_commands()
+    assert len(commands) >= 10 and "make run" in commands
+    for command in commands:
+        assert command in README_COMMANDS, f"the README shows `{command} ...`: name the test that runs it"
+        program, sub = command.split()
+        source = _test_source(README_COMMANDS[command])
+        if command == "make test":  # CI runs it: .ci/run
+            runs = "make test" in source
+        elif command == "make run":  # the Makefile's run target is the main job, which the named test runs
+            runs = ("scalinginter run --env babyai --profile smoke" in (ROOT / "Makefile").read_text()
+                    and '"run", "--env", "babyai", "--profile", "smoke"' in (ROOT / "tests/test_flow.py").read_text())
+        else:
+            runs = f'"{sub}"' in source and (program == "scalinginter" or f'"{program}"' in source
+                                             or f"{program}(" in source)
+        assert runs, f"{README_COMMANDS[command]} does not run `{command}`"

@@ -73,6 +73,15 @@ def test_flow_runs_the_curriculum_and_a_killed_run_resumes(tmp_path) -> None:
         assert f"{stage}: up to date" in log
     assert "up to date" in _sh(work, "dvc", "status", "--with-deps", "babyai_report")
     assert not _ran(_sh(work, "dvc", "repro", "babyai_report"))
+    # the README's `scalinginter eval` and `scalinginter export` on the finished run: the evaluation again gives the
+    # stage's numbers bit for bit (so DVC still finds the pipeline up to date), and the export is the hand-back
+    metrics = (work / "runs/babyai/eval/metrics.json").read_bytes()
+    assert "metrics: runs/babyai/eval/metrics.json" in _sh(work, "scalinginter", "eval", "babyai")
+    assert (work / "runs/babyai/eval/metrics.json").read_bytes() == metrics
+    assert "up to date" in _sh(work, "dvc", "status", "--with-deps", "babyai_report")
+    exported = _sh(work, "scalinginter", "export", "babyai", "--out", str(tmp_path / "final"))
+    assert (tmp_path / "final/config.json").exists() and "## Promotion" in (tmp_path / "final/README.md").read_text()
+    assert f"to {tmp_path / 'final'}" in exported and "exported babyai" in exported
     plain = _workspace(tmp_path, name="plain")  # (its splits run too where the committed lock is stale for them)
     assert {"build_model", "babyai_phase_2", "babyai_eval"} <= set(_ran(_sh(plain, "dvc", "repro", "babyai_eval")))
     assert _phase_locks(work) == _phase_locks(plain)  # same deps, params and bitwise equal outputs
