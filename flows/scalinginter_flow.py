@@ -26,6 +26,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from envs.paths import project_root
+from envs.urls import ServerUrls
 from flows.dvc_pipeline import set_params
 from flows.dvc_pipeline import write as write_pipeline
 from tasks.pipeline import (
@@ -131,7 +132,8 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
         write_data_splits(e)
     base = build_base_model()
     if env_urls:  # servers that already run (other machines): used as they are, never torn down here
-        url, pids = (",".join(env_urls) if len(components) == 1 else ";".join(env_urls)), []
+        given = env_urls if len(components) == 1 else ";".join(env_urls)  # replicas, or ENV=URL pairs
+        url, pids = ServerUrls.parse(given, components).text(), []  # an error names what is missing, before work
     elif len(components) == 1:
         url, pids = provision_env_server(env, server_config(env, params))
     else:  # each environment's own servers, passed on as ENV=URL pairs
@@ -144,7 +146,7 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             for pid in pids:
                 teardown_server(pid)
             raise
-        url = ";".join(f"{e}={u}" for e, u in urls.items())
+        url = ServerUrls.parse(urls, components).text()
     policy_url, policy_pids = None, []
     try:
         train, evaluation = train_config(env, profile, params=params), eval_config(env, profile, params)

@@ -14,11 +14,12 @@ import pytest
 
 from envs.launcher import ROOT, start_server, stop_server
 from envs.splits import load_split
+from envs.urls import ServerUrls
 from training.checkpoint import checkpoint_hash, read_manifest
 from training.config import MixShare, TrainConfig
 from training.data import MixedData
 from training.evaluate import evaluate
-from training.mixed import allocation, parse_urls, shares
+from training.mixed import allocation, shares
 from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
 
 ENVS = "babyai,textcraft,deepsearch"
@@ -42,7 +43,28 @@ def test_items_are_split_by_weight_every_step_and_bad_mixes_are_refused() -> Non
     with pytest.raises(ValueError, match=r"train.mix names \['sciworld'\]"):
         shares(["babyai"], TrainConfig(mix={"sciworld": MixShare()}))
     with pytest.raises(ValueError, match="no environment server URL for deepsearch"):
-        parse_urls(ENVS.split(","), "babyai=http://a;textcraft=http://b")
+        ServerUrls.parse("babyai=http://a;textcraft=http://b", ENVS.split(","))
+
+
+def test_the_three_forms_of_server_urls_parse_into_one_value_and_back() -> None:
+    envs = ENVS.split(",")
+    one = ServerUrls.parse(" http://a:1/ , http://b:2", ["babyai"])  # replicas of one environment
+    assert one.replicas() == ("http://a:1", "http://b:2") and one.text() == "http://a:1,http://b:2"
+    assert ServerUrls.parse("babyai=http://a:1", ["babyai"]).replicas("babyai") == ("http://a:1",)
+    assert ServerUrls.parse(["http://a:1"], ["babyai"]) == ServerUrls.parse("http://a:1", ["babyai"])
+    mixed = ServerUrls.parse("textcraft=http://t:1;babyai=http://a:1,http://a:2;deepsearch=http://d:1", envs)
+    assert mixed.replicas("babyai") == ("http://a:1", "http://a:2") and list(mixed.servers) == envs
+    assert ServerUrls.parse(mixed.text(), envs) == mixed  # the text a subprocess is given reads back the same
+    assert ServerUrls.parse({"babyai": "http://a:1", "textcraft": ["http://t:1"], "deepsearch": "http://d:1"},
+                            envs).replicas("textcraft") == ("http://t:1",)
+    with pytest.raises(ValueError, match="a mixed run takes ENV=URL pairs"):
+        ServerUrls.parse("http://a:1", envs)
+    with pytest.raises(ValueError, match="'webarena=http://w:1'"):
+        ServerUrls.parse("babyai=http://a;webarena=http://w:1", envs)
+    with pytest.raises(ValueError, match="no environment server URL for babyai"):
+        ServerUrls.parse(" , ", ["babyai"])
+    with pytest.raises(ValueError, match="name one"):
+        mixed.replicas()
 
 
 

@@ -198,7 +198,7 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
                     folders: dict[str, Path], progress: Callable[[str], None] | None) -> dict[str, Any]:
     """The mixed run's checkpoints on every environment's own test items, each at the run's h clipped to that
     environment's cap (as in training)."""
-    from training.mixed import parse_urls
+    from envs.urls import ServerUrls
 
     if config.engine == "vllm":
         raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
@@ -208,9 +208,10 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
     envs = mixed_components(MIXED, params)
     caps = {e: s.max_h for e, s in train_config(MIXED, profile, params=params).mix.items()}
     with contextlib.ExitStack() as stack:
-        urls = parse_urls(envs, url) if url else {
+        started = {} if url else {
             e: stack.enter_context(running_replicas(e, **server_config(e, params).launch_kwargs())) for e in envs}
-        parts = {e: (urls[e], stratified_head(load_split(e, "test"), config.items), min(h, caps.get(e) or h))
+        urls = ServerUrls.parse(url or started, envs)
+        parts = {e: (urls.replicas(e), stratified_head(load_split(e, "test"), config.items), min(h, caps.get(e) or h))
                  for e in envs}
         return evaluate_mixed_checkpoints(folders, parts, k=config.k, temperature=config.temperature,
                                           max_new_tokens=config.max_new_tokens, seed=config.seed,

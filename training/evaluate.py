@@ -7,13 +7,14 @@ success criterion. Greedy evaluation is temperature 0 with k = 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from envs.urls import ServerUrls
 from training.checkpoint import MANIFEST, read_manifest
 from training.config import PolicyServerConfig
 from training.devices import resolve_device
@@ -81,7 +82,7 @@ class EvalResult:
         return float(np.mean([any(v) for v in self.success.values()])) if self.success else 0.0
 
 
-def evaluate(model_dir: Path, env: str, url: str, item_ids: list[str], h: int, k: int = 1,
+def evaluate(model_dir: Path, env: str, url: ServerUrls | str | Sequence[str], item_ids: list[str], h: int, k: int = 1,
              temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0, batch_items: int = 4,
              context_budget: int = 8192, device: str = "cpu", policy_url: str | None = None,
              policy_server: PolicyServerConfig | None = None, prefix_cache_gb: float = 0.0) -> EvalResult:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envs.urls import ServerUrls
 from training.config import MixShare, TrainConfig
 from training.rollout import Rollout, RolloutResult, rollout_stats
 
@@ -112,24 +113,8 @@ class MixedRollout:
         return merged
 
 
-def mixed_rollout(envs: Sequence[str], urls: Mapping[str, str], engine: Any, tokenizer: Any, rollout_config: Any,
+def mixed_rollout(envs: Sequence[str], urls: ServerUrls, engine: Any, tokenizer: Any, rollout_config: Any,
                   config: TrainConfig) -> MixedRollout:
-    """A :class:`MixedRollout` over ``envs``, each at its server in ``urls`` (an error names a missing one)."""
+    """A :class:`MixedRollout` over ``envs``, each at its servers in ``urls``."""
     caps = {e: s.max_h for e, s in shares(envs, config).items()}
-    return MixedRollout({e: Rollout(e, urls[e], engine, tokenizer, rollout_config) for e in envs}, caps)
-
-
-def parse_urls(envs: Sequence[str], url: str | Mapping[str, str]) -> dict[str, str]:
-    """``env=URL`` pairs (``;``-separated, a URL may list replicas with commas) or a mapping, for ``envs``."""
-    pairs = [] if isinstance(url, Mapping) else [p.strip() for p in url.split(";") if p.strip()]
-    out = dict(url) if isinstance(url, Mapping) else {}
-    for pair in pairs:
-        env, sep, value = pair.partition("=")
-        if not sep or env.strip() not in envs:
-            raise ValueError(f"environment server {pair!r}: a mixed run takes ENV=URL for each of {', '.join(envs)}")
-        out[env.strip()] = value.strip()
-    missing = [e for e in envs if e not in out]
-    if missing:
-        raise ValueError(f"no environment server URL for {', '.join(missing)}: a mixed run takes one per environment "
-                         "(ENV=URL pairs separated by ';')")
-    return out
+    return MixedRollout({e: Rollout(e, urls.replicas(e), engine, tokenizer, rollout_config) for e in envs}, caps)

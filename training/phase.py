@@ -15,9 +15,9 @@ from pathlib import Path
 
 from envs.files import atomic_write
 from envs.launcher import running_replicas
+from envs.urls import ServerUrls
 from training.checkpoint import MANIFEST
 from training.config import mixed_envs
-from training.mixed import parse_urls
 from training.specs import PhaseSpec
 from training.trainer import train_phase
 
@@ -32,12 +32,10 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
         return pass_through(spec, Path("."))
     with contextlib.ExitStack() as stack:
         envs = mixed_envs(spec.env)
-        if len(envs) > 1:  # a mixed run: each environment's own servers (ENV=URL pairs, or started here)
-            base: str | dict[str, str] = parse_urls(envs, url) if url else {
-                e: stack.enter_context(running_replicas(e, **spec.servers.get(e, spec.server).launch_kwargs()))
-                for e in envs}
-        else:
-            base = url or stack.enter_context(running_replicas(spec.env, **spec.server.launch_kwargs()))
+        # the servers at ``url`` (parsed once here), or each environment's own started here
+        base = ServerUrls.parse(url or {
+            e: stack.enter_context(running_replicas(e, **spec.servers.get(e, spec.server).launch_kwargs()))
+            for e in envs}, envs)
         if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / MANIFEST).exists():
             from training.vllm_server import running_vllm
 

@@ -52,6 +52,7 @@ from envs.client import (
 )
 from envs.registry import client_class
 from envs.splits import item_index
+from envs.urls import ServerUrls
 from training.chat_format import ChatFormat, opening_messages
 from training.engine import Generation, PolicyEngine, SamplingParams
 from training.trajectory import TERMINATIONS, Trajectory, Turn
@@ -120,12 +121,10 @@ def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
 class Rollout:
     """Runs rollouts of one environment (one server, or several replicas) with one policy engine."""
 
-    def __init__(self, env: str, url: str | Sequence[str], engine: PolicyEngine, tokenizer: Any, config: RolloutConfig,
-                 *, http: httpx.Client | None = None, token: str | None = None) -> None:
-        # several servers: a list, or one string of comma-separated URLs (as --url and SCALINGINTER_ENV_URL carry it)
-        self.urls = [u.strip() for u in url.split(",") if u.strip()] if isinstance(url, str) else list(url)
-        if not self.urls:
-            raise ValueError("a rollout needs at least one environment server URL")
+    def __init__(self, env: str, url: ServerUrls | str | Sequence[str], engine: PolicyEngine, tokenizer: Any,
+                 config: RolloutConfig, *, http: httpx.Client | None = None, token: str | None = None) -> None:
+        # several servers: a list, or the text of comma-separated URLs (as --url and SCALINGINTER_ENV_URL carry it)
+        self.urls = list(ServerUrls.parse(url, [env]).replicas())
         self.env, self.engine, self.config = env, engine, config
         self.url = ",".join(self.urls)
         self.chat = ChatFormat(tokenizer)

@@ -17,13 +17,14 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from envs.urls import ServerUrls
 from training.advantages import flat_rows, masked_mean
 from training.checkpoint import (
     MANIFEST,
@@ -48,7 +49,7 @@ from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, 
 from training.lora import load_adapter, save_lora, with_lora
 from training.losses import actor_loss, loss_weights, policy_forward, value_loss
 from training.metrics import Metrics
-from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, parse_urls, shares
+from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, shares
 from training.model import load_policy
 from training.phase_files import LOGS, load_state, remove_stale_staging, restore_logs, snapshot_logs
 from training.rollout import Rollout, RolloutResult, write_rollout_log
@@ -81,7 +82,7 @@ class PhaseTrainer:
     """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
-                 config: TrainConfig, url: str | Mapping[str, str], adaptive: AdaptiveRule | None = None,
+                 config: TrainConfig, url: ServerUrls | str | Mapping[str, str], adaptive: AdaptiveRule | None = None,
                  policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
         self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.mixed)
@@ -195,10 +196,10 @@ class PhaseTrainer:
             for stale in (out_dir / "rollouts").glob("step-*.jsonl"):
                 stale.unlink()
 
-    def _setup_sampler(self, url: str | Mapping[str, str], source: Path, init_checkpoint: Path,
+    def _setup_sampler(self, url: ServerUrls | str | Mapping[str, str], source: Path, init_checkpoint: Path,
                        policy_url: str | None, policy_server: PolicyServerConfig | None) -> None:
         """The engine (``training.sampler``) and the rollout over the environment server(s)."""
-        config = self.config
+        config, urls = self.config, ServerUrls.parse(url, self.envs)
         if config.engine == "vllm" and policy_url is None:
             raise ValueError("train.engine vllm samples from a vLLM server: pass its URL (run_phase starts one)")
         server = policy_server or PolicyServerConfig()
@@ -227,9 +228,8 @@ class PhaseTrainer:
         self._prefetcher: Any = None
         rollout_config = train_rollout_config(config)
         self.rollout: Rollout | MixedRollout = (
-            Rollout(self.env, url, engine, self.tokenizer, rollout_config)
-            if len(self.envs) == 1 and isinstance(url, str)
-            else mixed_rollout(self.envs, parse_urls(self.envs, url), engine, self.tokenizer, rollout_config, config))
+            Rollout(self.env, urls.replicas(), engine, self.tokenizer, rollout_config) if len(self.envs) == 1
+            else mixed_rollout(self.envs, urls, engine, self.tokenizer, rollout_config, config))
 
     def _resumable(self, candidate: Path | None, init_checkpoint: Path) -> Path | None:
         """``candidate`` if it continues this very run (same parent, h, steps and config), else None.
@@ -674,7 +674,7 @@ class PhaseTrainer:
 
 #: a subfolder of an intermediate checkpoint (outside its manifest and hash): the phase's logs up to that step
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
-                config: TrainConfig, url: str | Mapping[str, str], progress: bool = False,
+                config: TrainConfig, url: ServerUrls | str | Mapping[str, str], progress: bool = False,
                 adaptive: AdaptiveRule | None = None,
                 policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> Path:
     """Train one curriculum phase at fixed ``h`` from ``init_checkpoint``; resume if interrupted.
@@ -691,16 +691,16 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
         return final
     envs = mixed_envs(env)
     check_scope(envs, config)  # before any server is asked
+    urls = ServerUrls.parse(url, envs)
     if config.rollout_mode == "lockstep":  # asynchronous rollouts admit trajectories as instances free instead
-        if len(envs) == 1 and isinstance(url, str):
-            check_capacity(url, config.batch_items * config.n_samples)
+        if len(envs) == 1:
+            check_capacity(urls.replicas(), config.batch_items * config.n_samples)
         else:  # each environment's servers hold that environment's share of a step
-            urls, counts = parse_urls(envs, url), allocation({e: s.weight for e, s in shares(envs, config).items()},
-                                                             config.batch_items)
+            counts = allocation({e: s.weight for e, s in shares(envs, config).items()}, config.batch_items)
             for e in envs:
-                check_capacity(urls[e], counts[e] * config.n_samples)
+                check_capacity(urls.replicas(e), counts[e] * config.n_samples)
     while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
-        trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, url, adaptive, policy_url,
+        trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, urls, adaptive, policy_url,
                                policy_server)
         try:
             return trainer.run(progress)
@@ -716,12 +716,12 @@ class CapacityConfigError(ValueError):
     """A training step needs more live episodes than the environment server can hold."""
 
 
-def check_capacity(url: str, live: int) -> None:
-    """Fail before training when one step's ``live`` episodes exceed the servers' simulator/browser pools (``url``:
-    one server, or comma-separated replicas whose capacities add up)."""
+def check_capacity(replicas: Sequence[str], live: int) -> None:
+    """Fail before training when one step's ``live`` episodes exceed the servers' simulator/browser pools (one
+    server, or replicas whose capacities add up)."""
     from envs.client import server_capacity
 
-    capacities = [server_capacity(u.strip()) for u in url.split(",") if u.strip()]
+    capacities = [server_capacity(u) for u in replicas]
     capacity = None if any(c is None for c in capacities) else sum(c for c in capacities if c)
     if capacity and live > capacity:
         raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
