@@ -337,6 +337,10 @@ def test_the_flow_provisions_one_vllm_server_for_its_phases_and_evaluation(tmp_p
     assert f'"weights": {{"step": 1, "hash": "{phase0}"' in first
     metrics = json.loads((work / "runs/babyai/eval/metrics.json").read_text())
     assert metrics["engine"] == "vllm" and list(metrics["checkpoints"]) == ["base", "phase-0", "phase-1"]
+    for index in (0, 1):  # each promotion gate sampled its parent and its phase on the same vLLM servers
+        decision = json.loads((work / f"runs/babyai/gate-{index}/decision.json").read_text())
+        assert decision["engine"] == "vllm", decision
+        assert decision["episodes_sampled"] >= decision["items"] * decision["k"], decision
     assert "disagreement" not in _sh(work, "scalinginter", "lineage", "babyai")
     left = subprocess.run(["pgrep", "-f", f"api_server --model {work}"], capture_output=True, text=True)
     assert left.stdout == "", "a vLLM server outlived the flow"

@@ -198,7 +198,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                "parent_checkpoint": _rel(parent, root), "phase_checkpoint": _rel(candidate, root),
                "metric": config.metric, **first, "on_reject": config.on_reject, "retries": retries,
                "items": len(settings["items"]), "k": settings["k"], "h": settings["h"],
-               "temperature": settings["temperature"], "episodes_sampled": episodes,
+               "temperature": settings["temperature"], "engine": settings["engine"], "episodes_sampled": episodes,
                "seconds": round(time.perf_counter() - started, 3)}
     return _write(run, index, promotion, summary)
 
