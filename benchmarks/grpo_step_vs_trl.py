@@ -56,7 +56,7 @@ def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    import training.trainer as trainer_module
+    import training.update as update_module
     from envs.launcher import running_server
     from training.config import TrainConfig
     from training.trainer import PhaseTrainer
@@ -67,7 +67,7 @@ def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
     def charge(args: tuple, seconds: float) -> None:
         spent["reference" if args[0] is trainer.reference else "old_logprobs"] += seconds
 
-    trainer_module.sequence_logprobs = _timed(trainer_module.sequence_logprobs, charge)
+    update_module.sequence_logprobs = _timed(update_module.sequence_logprobs, charge)
     settings = {"batch_items": PROMPTS, "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "temperature": 1.0,
                 "kl_coef": KL, "lr": LR, "mini_batch_size": PROMPTS * SAMPLES, "micro_batch_size": PROMPTS * SAMPLES,
                 "drop_flat_groups": False, "skip_flat_steps": False, "log_rollouts": False, "save_every": 10**6,

@@ -20,7 +20,8 @@ from training.config import MixShare, TrainConfig
 from training.data import MixedData
 from training.evaluate import evaluate
 from training.mixed import allocation, shares
-from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
+from training.sampler import EnvironmentFailure
+from training.trainer import PhaseTrainer, train_phase
 
 ENVS = "babyai,textcraft,deepsearch"
 CONFIG = TrainConfig(batch_items=4, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=8, micro_batch_size=4,

@@ -24,7 +24,8 @@ from training.checkpoint import MANIFEST, CheckpointError
 from training.config import TrainConfig
 from training.phase_files import remove_stale_staging
 from training.rollout import RolloutResult, rollout_stats, write_rollout_log
-from training.trainer import EnvironmentFailure, PhaseTrainer, train_phase
+from training.sampler import EnvironmentFailure
+from training.trainer import PhaseTrainer, train_phase
 from training.trajectory import Trajectory
 
 CONFIG = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=4, micro_batch_size=4,

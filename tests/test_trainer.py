@@ -545,23 +545,23 @@ def test_one_optimizer_step_per_batch_takes_its_old_logprobs_from_the_update(env
     within float rounding as with the pass."""
     from safetensors.torch import load_file
 
-    import training.trainer as trainer_module
+    import training.update as update_module
 
     passes: list[str] = []
-    real = trainer_module.sequence_logprobs
+    real = update_module.sequence_logprobs
 
     def counted(model: torch.nn.Module, *args, **kwargs):
         passes.append(type(model).__name__)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "sequence_logprobs", counted)
+    monkeypatch.setattr(update_module, "sequence_logprobs", counted)
     url = env_server("bandit")
     config = TrainConfig(batch_items=4, n_samples=4, max_new_tokens=16, lr=1e-3, mini_batch_size=16,
                          micro_batch_size=8, kl_coef=0.0, old_logprobs="recompute")
     runs = {}
     for name in ("from the update", "a pass of their own"):
         if name == "a pass of their own":
-            monkeypatch.setattr(trainer_module.PhaseTrainer, "_updates_once", lambda self, exp: False)
+            monkeypatch.setattr(update_module.PolicyUpdate, "_updates_once", lambda self, exp: False)
         passes.clear()
         final = train_phase("bandit", 0, 1, 1, bandit_warm_start, tmp_path / name.replace(" ", "-"), config=config,
                             url=url)

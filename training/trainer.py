@@ -18,67 +18,44 @@ import logging
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from envs.urls import ServerUrls
-from training.advantages import flat_rows, masked_mean
+from training.advantages import flat_rows
 from training.checkpoint import (
     MANIFEST,
     STATE,
     folder_hash,
     latest_checkpoint,
-    model_card,
-    prepare_staging,
-    prune,
     read_manifest,
-    staging_folder,
     state_folder,
-    write_checkpoint,
 )
 from training.config import PolicyServerConfig, TrainConfig, mixed_envs
-from training.critic import ValueModel, explained_variance, sequence_values
+from training.critic import ValueModel
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
-from training.devices import autocast, peak_memory_gib, rank_device
-from training.experience import Experience, collate, estimate_advantages, experience_stats, sequence_logprobs
+from training.devices import peak_memory_gib, rank_device
+from training.experience import collate, experience_stats
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
-from training.lora import load_adapter, save_lora, with_lora
-from training.losses import actor_loss, loss_weights, policy_forward, value_loss
+from training.lora import load_adapter, with_lora
+from training.losses import loss_weights
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, shares
 from training.model import load_policy
-from training.phase_files import LOGS, load_state, remove_stale_staging, restore_logs, snapshot_logs
-from training.rollout import Rollout, RolloutResult, write_rollout_log
-from training.sampler import build_sampler, train_rollout_config
+from training.phase_files import LOGS, load_state, remove_stale_staging, restore_logs
+from training.phase_save import Ledger, PhaseCheckpoints
+from training.rollout import Rollout, write_rollout_log
+from training.sampler import PhaseSampling, build_sampler, train_rollout_config
 from training.strategy import make_strategy
+from training.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Ledger:
-    """What a phase cost."""
-
-    generated_tokens: int = 0
-    trained_tokens: int = 0
-    wall_seconds: float = 0.0
-    devices: int = 1
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def device_hours(self) -> float:
-        return self.wall_seconds * self.devices / 3600
-
-    def as_dict(self) -> dict[str, float]:
-        return {"generated_tokens": self.generated_tokens, "trained_tokens": self.trained_tokens,
-                "wall_seconds": round(self.wall_seconds, 3), "device_hours": round(self.device_hours, 6)}
-
-
-class PhaseTrainer:
+class PhaseTrainer(PhaseSampling, PolicyUpdate, PhaseCheckpoints):
     """Holds the actor, reference, optimizer and data position of one phase; ``run()`` trains it."""
 
     def __init__(self, env: str, phase: int, h: int, steps: int, init_checkpoint: Path, out_dir: Path,
@@ -415,264 +392,7 @@ class PhaseTrainer:
                         "perf/tokens_per_s": trained / max(t3 - t2, 1e-9), "actor/flat_groups": exp.flat_groups,
                         **({"perf/peak_memory_gib": peak} if peak is not None else {})}
 
-    def _served(self) -> dict[str, Any]:
-        """The weight version the vLLM server holds now, for the rollout log (nothing with the hf engine)."""
-        return {"weights": self.sync.version.as_dict()} if self.sync and self.sync.version else {}
 
-    def _prefetch(self, step: int) -> None:
-        """Start ``step``'s rollout on a worker thread, sampled by the server from the weights it holds now (the
-        update that follows changes only the trainer's copy; the next sync waits for this rollout)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
-        items = self.data.take(self.config.batch_items)[self.strategy.rank::self.strategy.world_size]
-        served = self._served()
-        self.prefetched = (step, self._prefetcher.submit(self._rollout, items, step), served)
-
-    def _drop_prefetched(self) -> None:
-        """Wait for and forget a prefetched rollout (the phase ends or rolls back); its items are given back."""
-        if self.prefetched is not None:
-            _, future, _ = self.prefetched
-            self.prefetched = None
-            future.exception()  # wait: its environment instances are closed by the rollout itself
-            self.data.position -= self.config.batch_items
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-            self._prefetcher = None
-
-    def _rollout(self, items: list[str], step: int) -> RolloutResult:
-        """The step's rollout; one whose every trajectory hit an environment error is retried with backoff, then
-        stops the phase (its last checkpoint resumes it): a dead server never yields a step of zeros."""
-        result = self.rollout.run(items, self.h, step=step)
-        for attempt in range(self.config.failed_rollout_retries):
-            if result.valid and not result.failed_envs:
-                break
-            log.warning("step %d: every trajectory hit an environment error; rolling out again in %d s", step,
-                        2**attempt)
-            time.sleep(2**attempt)
-            result = self.rollout.run(items, self.h, step=step)
-        first = next((t.error for t in result.trajectories if t.error), "no trajectories")
-        if result.failed_envs:  # a mixed run never trains on the other environments alone
-            raise EnvironmentFailure(
-                f"step {step}: every trajectory of {', '.join(result.failed_envs)} hit environment errors in "
-                f"{self.config.failed_rollout_retries + 1} tries (first: {first}); servers: {self.rollout.url}. "
-                "The phase stops (it does not train on the other environments alone); rerun it to resume")
-        if not result.valid:
-            raise EnvironmentFailure(
-                f"step {step}: all {len(result.trajectories)} trajectories hit environment errors in "
-                f"{self.config.failed_rollout_retries + 1} tries (first: {first}); the environment server at "
-                f"{self.rollout.url} is failing. The phase stops; rerun it to resume from its last checkpoint")
-        return result
-
-    def _sync_policy(self) -> dict[str, float]:
-        """vllm engine: push the actor's weights to the server if an update changed them (rank 0; the other ranks
-        wait for it); the served version."""
-        if self.config.engine != "vllm":
-            return {}
-        if self.prefetched is not None:  # never change the server's weights under a rollout in flight
-            self.prefetched[1].exception()
-        if self.stale:
-            weights = self.strategy.gather_weights()  # every rank takes part (ZeRO-3); None: the model holds them
-            if self.sync is not None:
-                self.sync.push(self.model, self.global_step, save=lambda folder: self._save_weights(folder, weights),
-                               state=weights)
-            self.strategy.barrier()  # no rank samples before the server has the new weights
-            self.stale = False
-        if self.sync is None:
-            return {}
-        version = self.sync.version
-        assert version is not None
-        return {"engine/sync_s": version.seconds, "engine/probe_max_diff": version.probe_max_diff,
-                "engine/weights_step": float(version.step), "engine/syncs": float(self.sync.syncs)}
-
-    def _has_signal(self, exp: Experience) -> bool:
-        """Whether any trajectory of this step, on any rank, has a non-zero advantage."""
-        signal = torch.tensor([float(bool((exp.advantages * exp.mask).abs().sum() > 0))], device=self.device)
-        if self.strategy.world_size > 1:  # every rank must take the same decision, or the all-reduces desync
-            import torch.distributed as dist
-
-            dist.all_reduce(signal)
-        return bool(signal.item() > 0)
-
-    def prepare(self, exp: Experience) -> Experience:
-        cfg = self.config
-        if cfg.old_logprobs == "recompute" and self._updates_once(exp):
-            # the batch's one optimizer step starts from the weights that would recompute them: the update's own
-            # forward pass gives them (detached), as TRL does when one update follows each generation
-            exp.old_logprobs = None
-        elif cfg.old_logprobs == "recompute":
-            exp.old_logprobs = sequence_logprobs(self.model, exp, cfg.temperature, cfg.micro_batch_size, cfg.precision,
-                                                 cfg.logprob_chunk)
-        else:
-            exp.old_logprobs = exp.sampler_logprobs
-        if self.reference is not None:
-            exp.ref_logprobs = sequence_logprobs(self.reference, exp, cfg.temperature, cfg.micro_batch_size,
-                                                  cfg.precision, cfg.logprob_chunk)
-            if cfg.kl_in_reward:
-                exp.rewards = exp.rewards - cfg.kl_coef * (exp.old_logprobs - exp.ref_logprobs) * exp.mask
-        values = None
-        if self.critic is not None:
-            values = sequence_values(self.critic, exp.input_ids, exp.attention_mask, cfg.micro_batch_size)
-        estimate_advantages(exp, cfg.algorithm, cfg.gamma, cfg.lam, values=values, grpo_norm_std=cfg.grpo_norm_std)
-        return exp
-
-    def _updates_once(self, exp: Experience) -> bool:
-        """Whether the update takes one optimizer step on the whole batch (one epoch, one mini-batch) and nothing
-        reads the old log-probs before it (a KL penalty in the reward does)."""
-        cfg = self.config
-        return cfg.ppo_epochs == 1 and len(exp) <= cfg.mini_batch_size and not cfg.kl_in_reward
-
-    def update(self, exp: Experience, step: int) -> dict[str, float]:
-        """ppo_epochs passes of mini-batch updates; returns averaged actor metrics."""
-        cfg = self.config
-        self.model.train()
-        sums: dict[str, float] = {}
-        updates = 0
-        for epoch in range(cfg.ppo_epochs):
-            shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + epoch)
-            order = torch.randperm(len(exp), generator=shuffle)
-            for start in range(0, len(exp), cfg.mini_batch_size):
-                parts = self._mini_batch(exp.select(order[start:start + cfg.mini_batch_size]))
-                for key, value in parts.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                updates += 1
-        out = {key: value / max(updates, 1) for key, value in sums.items()}
-        return out | {"actor/lr": self.optimizer.param_groups[0]["lr"]}
-
-    def _mini_batch(self, mb: Experience) -> dict[str, float]:
-        cfg = self.config
-        total_tokens = mb.mask.sum().clamp(min=1)
-        weights = loss_weights(mb.mask, cfg.loss_agg, cfg.max_new_tokens)  # over the whole mini-batch
-        parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/kl": 0.0, "actor/entropy": 0.0,
-                 "actor/approx_kl": 0.0}
-        sampler = [0.0, 0.0, 0.0]  # old log-probs from this forward: sum exp(old - sampler), sum |old - sampler|, max
-        for start in range(0, len(mb), cfg.micro_batch_size):
-            rows = torch.arange(start, min(start + cfg.micro_batch_size, len(mb)))
-            micro = mb.select(rows)
-            ids = micro.input_ids.to(self.device)
-            mask = micro.mask.to(self.device)
-            with autocast(self.device, cfg.precision):
-                logprobs, entropy = policy_forward(self.strategy.forward, ids, micro.attention_mask.to(self.device),
-                                                   mask, cfg.temperature, entropy_grad=cfg.entropy_coef != 0,
-                                                   chunk=cfg.logprob_chunk, head=self.model.get_output_embeddings())
-            if micro.old_logprobs is None:  # one optimizer step on the batch: the weights it starts from give them
-                old = logprobs.detach()
-                diff = ((old - micro.sampler_logprobs.to(self.device)) * mask).float().cpu()
-                sampler = [sampler[0] + float(diff.exp()[micro.mask.bool()].sum()),
-                           sampler[1] + float(diff.abs().sum()), max(sampler[2], float(diff.abs().max()))]
-            else:
-                old = micro.old_logprobs.to(self.device)
-            loss = actor_loss(
-                logprobs, old,
-                micro.advantages.to(self.device), mask, clip=cfg.clip,
-                ref_logprobs=None if cfg.kl_in_reward or micro.ref_logprobs is None
-                else micro.ref_logprobs.to(self.device),
-                kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef,
-                weights=weights[rows, :mask.shape[1]].to(self.device))
-            share = float(mask.sum() / total_tokens)  # the reported parts are token means of the mini-batch
-            self.strategy.backward(loss.loss, last_micro_batch=start + cfg.micro_batch_size >= len(mb))
-            for key, value in (("actor/pg_loss", loss.pg_loss), ("actor/pg_clipfrac", loss.pg_clipfrac),
-                               ("actor/kl", loss.kl), ("actor/entropy", loss.entropy),
-                               ("actor/approx_kl", loss.approx_kl)):
-                parts[key] += value * share
-        grad_norm = self.strategy.step()
-        if mb.old_logprobs is None and bool(mb.sampler_logprobs.ne(0).any()):  # a scripted engine gives none
-            # what training.experience.experience_stats reports when the old log-probs come before the update
-            parts |= {"actor/sampler_ratio": float(sampler[0] / total_tokens),
-                      "actor/sampler_logprob_absdiff": float(sampler[1] / total_tokens),
-                      "actor/sampler_logprob_absdiff_max": float(sampler[2])}
-        if self.critic is not None:
-            parts |= self._critic_update(mb)
-        return parts | {"actor/grad_norm": float(grad_norm)}
-
-    def _critic_update(self, mb: Experience) -> dict[str, float]:
-        """One clipped value-loss step of the critic on a mini-batch (GAE returns as targets)."""
-        assert self.critic is not None and self.critic_optimizer is not None
-        mask = mb.mask.to(self.device)
-        returns = mb.returns.to(self.device)
-        with autocast(self.device, self.config.precision):
-            values = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device)).float()
-        loss, clipfrac = value_loss(values, mb.old_values.to(self.device), returns, mask, self.config.clip)
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.grad_clip)
-        self.critic_optimizer.step()
-        return {"critic/value_loss": float(loss.detach()), "critic/vf_clipfrac": clipfrac,
-                "critic/values_mean": float(masked_mean(values.detach(), mask)),
-                "critic/returns_mean": float(masked_mean(returns, mask)),
-                "critic/vf_explained_var": explained_variance(values.detach(), returns, mask)}
-
-    def _save_weights(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> str | None:
-        """The actor's weights (``weights``, when gathered from ZeRO-3 partitions) as a plain model folder (LoRA
-        adapters merged in, the actor unchanged); with LoRA, the adapter in lora/ and its sha256 returned."""
-        if self.config.lora is not None:
-            return save_lora(self.model, folder)
-        self.strategy.save_model(folder, weights)
-        return None
-
-    def save(self, name: str) -> Path:
-        folder = self.out_dir / name
-        state = {
-            "global_step": self.global_step,
-            # a prefetched rollout is not kept: a resumed run takes its items again (and samples them on-policy)
-            "data_position": self.data.position - (self.config.batch_items if self.prefetched is not None else 0),
-            "rng": {"torch": torch.get_rng_state()},
-            "adaptive_history": self.history,
-            # as JSON text: pickling the rows' floats would depend on which objects they share, so a resumed run's
-            # state file would differ in bytes from an uninterrupted one's
-            "guard_history": json.dumps(self.guard.history),
-            **({"critic_optimizer": self.critic_optimizer.state_dict()} if self.critic_optimizer else {}),
-            "reference": str(self.reference_path),
-        }
-        record: dict[str, Any] = {
-            "env": self.env, "phase": self.phase, "h": self.h, "steps": self.steps, "global_step": self.global_step,
-            "phase_first_step": self.first_step, "algorithm": self.config.algorithm, "seed": self.config.seed,
-            "config": self.config.model_dump(), "parent": self.parent, "kind": name.split("/")[0],
-            "cost": self.ledger.as_dict(),
-            "engine": {"name": self.config.engine, **({"served": self.sync.version.as_dict(), "syncs": self.sync.syncs}
-                                                     if self.sync is not None and self.sync.version else {})},
-            "curriculum": {"mode": "adaptive" if self.adaptive else "planned", "planned_steps": self.steps,
-                           "budget": self.budget, "trained_steps": self.global_step - self.first_step,
-                           "unused_steps": self.end_step - self.global_step if self.advanced else 0,
-                           "advanced_early": self.advanced,
-                           "ended_by_guard": self.stop_at is not None},
-            "guard": {"events": [e.model_dump() for e in self.events],
-                      "lr_scale": lr_scale(self.events, self.global_step, self.config.guard.lr_factor)},
-        }
-
-        weights = self.strategy.gather_weights()  # every rank takes part (ZeRO-3); rank 0 writes them
-
-        def write(tmp: Path) -> None:
-            adapter = self._save_weights(tmp, weights)  # with LoRA: merged weights (a plain HF folder) and lora/
-            if adapter is not None:
-                record["lora"] = {"adapter_sha256": adapter}
-            self.tokenizer.save_pretrained(tmp)
-            if name == "final":
-                (tmp / "README.md").write_text(model_card(record, self.last_stats))
-            torch.save(state, tmp / STATE)
-            if name.startswith("intermediate"):
-                snapshot_logs(self.out_dir, tmp / LOGS)
-            if self.critic is not None:
-                self.critic.save(tmp)
-
-        # Every rank writes its optimizer partition into one shared staging folder; rank 0 adds the rest,
-        # the manifest, and renames it into place (so the checkpoint appears whole or not at all).
-        tmp = staging_folder(folder, shared=self.strategy.world_size > 1)
-        if self.leader:
-            prepare_staging(tmp)
-        self.strategy.barrier()
-        torch.save(self.strategy.optimizer_state(), tmp / f"optimizer_rank{self.strategy.rank}.pt")
-        self.strategy.barrier()
-        if self.leader:
-            write_checkpoint(folder, write, record, tmp=tmp, export=name == "final")
-            if name.startswith("intermediate"):
-                prune(self.out_dir / "intermediate", self.config.keep_checkpoints)
-        self.strategy.barrier()
-        return folder
-
-
-#: a subfolder of an intermediate checkpoint (outside its manifest and hash): the phase's logs up to that step
 def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path | str, out_dir: Path | str, *,
                 config: TrainConfig, url: ServerUrls | str | Mapping[str, str], progress: bool = False,
                 adaptive: AdaptiveRule | None = None,
@@ -706,10 +426,6 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
             return trainer.run(progress)
         except GuardTrip as trip:
             trainer.roll_back(trip)
-
-
-class EnvironmentFailure(RuntimeError):
-    """Every trajectory of a step failed in the environment, also after retries."""
 
 
 class CapacityConfigError(ValueError):
