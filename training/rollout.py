@@ -23,15 +23,13 @@ training and counted. Every instance is closed, also on exceptions and cancellat
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -44,25 +42,20 @@ from envs.client import (
     ClientLogic,
     EnvServerError,
     StepOutput,
-    close_many,
     env_http,
     health_capacity,
-    open_many,
     step_many,
 )
 from envs.registry import client_class
-from envs.splits import item_index
 from envs.urls import ServerUrls
 from training.chat_format import ChatFormat, opening_messages
 from training.engine import Generation, PolicyEngine, SamplingParams
+from training.rollout_async import AsyncPlay
+from training.rollout_instances import InstancePool, with_retries
 from training.trajectory import TERMINATIONS, Trajectory, Turn
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-RESET_THREADS = 8  # resets in flight per server (lock-step); the asynchronous mode admits by capacity instead
-OPEN_BATCH = 256  # instances opened by one /create_batch request
-MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent engine (asynchronous mode)
 
 
 @dataclass(frozen=True)
@@ -106,19 +99,7 @@ class RolloutResult:
         return [t for t in self.trajectories if t.valid]
 
 
-def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
-    """Run ``call``; repeat it with exponential backoff while it fails with a retryable EnvServerError."""
-    for attempt in range(retries + 1):
-        try:
-            return call()
-        except EnvServerError as err:
-            if not err.retryable or attempt == retries:
-                raise
-            time.sleep(backoff_s * 2**attempt)
-    raise AssertionError("unreachable")
-
-
-class Rollout:
+class Rollout(InstancePool, AsyncPlay):
     """Runs rollouts of one environment (one server, or several replicas) with one policy engine."""
 
     def __init__(self, env: str, url: ServerUrls | str | Sequence[str], engine: PolicyEngine, tokenizer: Any,
@@ -156,31 +137,6 @@ class Rollout:
             return [1.0]
         shares = [1.0 if c == math.inf else c for c in self.capacities()]
         return shares if any(shares) else [1.0] * len(shares)
-
-    def _assign(self, count: int) -> list[int]:
-        """A server for each of ``count`` trajectories: weighted round robin over the live servers."""
-        live = [s for s in range(len(self.urls)) if s not in self.dead]
-        if not live:
-            raise EnvServerError(f"every {self.env} server has failed: {', '.join(self.urls)}", retryable=False)
-        weights = self.weights()
-        given = dict.fromkeys(live, 0)
-        out = []
-        for _ in range(count):
-            server = min(live, key=lambda s: ((given[s] + 1) / max(weights[s], 1e-9), s))
-            given[server] += 1
-            out.append(server)
-        return out
-
-    def _free_server(self, held: Counter[int]) -> int | None:
-        """The live server with the most room left relative to its capacity, or None when every one is full."""
-        capacities = self.capacities()
-        live = [s for s in range(len(self.urls)) if s not in self.dead]
-        if not live:
-            raise EnvServerError(f"every {self.env} server has failed: {', '.join(self.urls)}", retryable=False)
-        if not any(capacities[s] for s in live):  # none answered /health: try them all, unbounded
-            return min(live, key=lambda s: (held[s], s))
-        room = [s for s in live if held[s] < capacities[s]]
-        return min(room, key=lambda s: ((held[s] + 1) / capacities[s], held[s], s)) if room else None
 
     def run(self, item_ids: Sequence[str], h: int, step: int = 0, progress: bool = False) -> RolloutResult:
         """Roll out ``n_samples`` trajectories per item with at most ``h`` turns each."""
@@ -231,100 +187,6 @@ class Rollout:
         finally:
             env_seconds += self._close_all(clients)
         result.seconds_in_env += env_seconds
-
-    def _reset_all(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None]) -> float:
-        """Open and reset every trajectory's instance: one ``/create_batch`` request per server (the servers at once),
-        then one by one, up to ``RESET_THREADS`` per server at once, for those the batch did not open (a full or
-        failing server gets the retry policy, an unreachable replica's go to the others, a server without the
-        endpoint is served this way); returns the seconds it took."""
-        started = time.perf_counter()
-        servers = self._assign(len(trajectories))
-        left = self._open_batches(trajectories, clients, list(range(len(trajectories))), servers)
-
-        def reset(i: int) -> None:
-            server = servers[i] if servers[i] not in self.dead else self._assign(1)[0]
-            while not self._reset_one(trajectories, clients, i, server):
-                server = self._assign(1)[0]
-
-        if left:
-            with ThreadPoolExecutor(min(len(left), RESET_THREADS * len(self.urls))) as pool:
-                list(pool.map(reset, left))  # the first error (a bad item id) is raised
-        return time.perf_counter() - started
-
-    def _open_batches(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None],
-                      indices: Sequence[int], servers: Sequence[int]) -> list[int]:
-        """Open trajectories ``indices`` (``servers``: the server of each), each server's share in ``/create_batch``
-        requests of up to ``OPEN_BATCH``; returns the trajectories left to open one by one. A bad item id (422) is
-        raised: nothing of its request was opened."""
-        shares: dict[int, list[int]] = {}
-        for i, server in zip(indices, servers, strict=True):
-            shares.setdefault(server, []).append(i)
-        batched = {s: share for s, share in shares.items() if s not in self.no_batch and s not in self.dead}
-        left = sorted(i for s, share in shares.items() if s not in batched for i in share)
-
-        def open_share(server: int) -> list[int]:
-            share, unopened = batched[server], []
-            for start in range(0, len(share), OPEN_BATCH):
-                chunk = share[start:start + OPEN_BATCH]
-                try:
-                    opened = open_many(self.client_cls, self.https[server],
-                                       [item_index(trajectories[i].item_id) for i in chunk])
-                except EnvServerError as err:
-                    if err.status_code in (404, 405):  # an AgentGym server: no batch endpoint
-                        self.no_batch.add(server)
-                    elif err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
-                        raise
-                    unopened.extend(share[start:])
-                    break
-                began = []
-                for i, outcome in zip(chunk, opened, strict=True):
-                    if isinstance(outcome, EnvServerError):
-                        unopened.append(i)  # the server was full or its simulator failed: retried one by one
-                        continue
-                    client, first = outcome
-                    trajectories[i].server = server
-                    clients[i] = client  # type: ignore[assignment]
-                    began.append((trajectories[i], client, first))
-                self._begin_many(began)
-            return unopened
-
-        if len(batched) > 1:
-            with ThreadPoolExecutor(len(batched)) as pool:
-                unopened = list(pool.map(open_share, batched))
-        else:
-            unopened = [open_share(s) for s in batched]
-        return sorted(left + [i for share in unopened for i in share])
-
-    def _reset_one(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], i: int,
-                   server: int) -> bool:
-        """Open trajectory ``i``'s instance on ``server`` and reset it to its item. False when the server could not
-        be reached and another live replica should take it (the server is then marked dead); an environment error
-        otherwise ends the trajectory as ``env_error``."""
-        cfg, t = self.config, trajectories[i]
-        t.server = server
-        try:
-            client = with_retries(lambda: self.client_cls(self.urls[server], http=self.https[server]),
-                                  cfg.retries, cfg.backoff_s)
-            clients[i] = client
-            first = with_retries(lambda: client.reset(item_index(t.item_id)), cfg.retries, cfg.backoff_s)
-        except EnvServerError as err:
-            if err.status_code is not None and 400 <= err.status_code < 500 and not err.retryable:
-                raise  # a bad item id or request is the caller's mistake: fail loudly
-            if err.status_code is None and len(self.urls) - len(self.dead) > 1:
-                self.dead.add(server)  # unreachable after the retries: the next live replica takes it
-                return False
-            t.finish("env_error", str(err))
-            return True
-        self._begin_many([(t, client, first)])
-        return True
-
-    def _open_group(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], group: list[int],
-                    server: int) -> list[bool]:
-        """Open ``group``'s instances on ``server``: one ``/create_batch``, then one by one for what it did not
-        open. Per trajectory as ``_reset_one``: False when the server could not be reached (to be admitted again
-        elsewhere)."""
-        left = set(self._open_batches(trajectories, clients, group, [server] * len(group)))
-        return [self._reset_one(trajectories, clients, i, server) if i in left else True for i in group]
 
     def _begin_many(self, began: Sequence[tuple[Trajectory, ClientLogic, StepOutput]]) -> None:
         """Start each trajectory from its instance's first observation (its opening prompt, encoded with the others'
@@ -378,136 +240,6 @@ class Rollout:
         self._step_round([clients[i] for i in active], texts, [trajectories[i].server for i in active], record)
         env_s = time.perf_counter() - t1  # with the observations' tokenisation, overlapped with the other servers
         return gen_s, env_s, tokens
-
-    def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
-                    step: int) -> tuple[float, float, int]:
-        """The asynchronous mode: generate for the trajectories that are ready (up to ``async_batch``), hand each
-        generated batch's environment steps to worker threads, and generate for the next ready ones while they
-        run. Trajectories are admitted as instances free: each is reset (in a worker) only while its server holds
-        fewer live instances than its capacity (``/health``), and a finished trajectory's instance is closed at
-        once, so a rollout may have more trajectories than the servers hold at a time. Each trajectory still ends
-        by its own budgets (h counted in its own turns). Returns seconds generating, seconds waiting on the
-        environment, and tokens generated."""
-        cfg = self.config
-        pending = list(range(len(trajectories)))  # not yet admitted, in order
-        held: Counter[int] = Counter()  # live instances per server
-        ready: list[int] = []
-        # a future's trajectories, and their replies (None: a reset)
-        in_flight: dict[Future[Any], tuple[list[int], list[str] | None]] = {}
-        gen_s, tokens, calls = 0.0, 0, 0
-        busy_env = 0.0
-        with ThreadPoolExecutor(max(4, 2 * len(self.urls))) as pool:
-
-            def admit() -> None:  # what the servers have room for, each server's share opened in one request
-                groups: dict[int, list[int]] = {}
-                while pending and (server := self._free_server(held)) is not None:
-                    i = pending.pop(0)
-                    held[server] += 1
-                    trajectories[i].server = server
-                    groups.setdefault(server, []).append(i)
-                for server, group in groups.items():
-                    in_flight[pool.submit(self._open_group, trajectories, clients, group, server)] = (group, None)
-
-            def release(finished: list[int]) -> None:  # finished trajectories give their instances back now
-                for i in finished:
-                    held[trajectories[i].server] -= 1
-                self._close_all(clients, finished)
-
-            admit()
-            while ready or in_flight:
-                if ready:
-                    batch, ready = ready[: cfg.async_batch or len(ready)], ready[cfg.async_batch or len(ready):]
-                    texts, seconds, generated = self._generate(trajectories, batch, step, calls)
-                    calls += 1
-                    gen_s += seconds
-                    tokens += generated
-
-                    def steps(batch: list[int] = batch, texts: list[str] = texts) -> list[StepOutput]:
-                        return self._step_round([clients[i] for i in batch], texts,
-                                                [trajectories[i].server for i in batch])
-
-                    in_flight[pool.submit(steps)] = (batch, texts)
-                    if ready:  # more to generate now; collect what has come back meanwhile without waiting
-                        done = {f for f in in_flight if f.done()}
-                    else:
-                        t1 = time.perf_counter()
-                        done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                        busy_env += time.perf_counter() - t1
-                else:
-                    t1 = time.perf_counter()
-                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                    busy_env += time.perf_counter() - t1
-                finished: list[int] = []
-                for future in done:
-                    batch, texts = in_flight.pop(future)
-                    if texts is None:  # resets came back
-                        unreached = [i for i, reached in zip(batch, future.result(), strict=True) if not reached]
-                        for i in unreached:  # its server could not be reached: admit it again elsewhere
-                            held[trajectories[i].server] -= 1
-                        pending[:0] = unreached
-                        batch = [i for i in batch if i not in unreached]
-                    else:
-                        self._record_many([trajectories[i] for i in batch], texts, future.result(), h)
-                    for i in batch:
-                        if trajectories[i].active:
-                            ready.append(i)
-                        else:
-                            finished.append(i)
-                release(finished)
-                admit()
-        for i in pending:  # cannot happen while a live server has capacity; never leave a trajectory unended
-            trajectories[i].finish("env_error", "no environment server had room for it")
-        return gen_s, busy_env, tokens
-
-    def _play_each(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
-                   step: int) -> tuple[float, float, int]:
-        """The asynchronous mode with an engine that batches concurrent requests itself (``engine.concurrent``: a
-        vLLM server batches continuously): each trajectory runs on its own thread from its reset to its end, its
-        next generation sent as soon as its observation is back and its step as soon as its reply is sampled, so no
-        trajectory waits for another. At most the servers' capacity run at once (admitted as instances free). Each
-        turn's seed comes from the trajectory and the turn, not from timing. Returns seconds generating and
-        waiting on the environment (summed over the trajectories, so overlapping) and tokens generated."""
-        totals = {"gen": 0.0, "env": 0.0, "tokens": 0}
-        held: Counter[int] = Counter()
-        room = threading.Condition()
-
-        def take_server() -> int:
-            with room:
-                while (server := self._free_server(held)) is None:
-                    room.wait()
-                held[server] += 1
-                return server
-
-        def play(i: int) -> None:
-            t, server = trajectories[i], take_server()
-            try:
-                while not self._reset_one(trajectories, clients, i, server):  # unreachable: another replica
-                    with room:
-                        held[server] -= 1
-                    server = take_server()
-                while t.active:
-                    texts, gen_s, tokens = self._generate(trajectories, [i], step,
-                                                          len(t.turns) * len(trajectories) + i)
-                    started = time.perf_counter()
-                    out = self._step_round([clients[i]], texts, [server])[0]
-                    env_s = time.perf_counter() - started
-                    self._record_many([t], texts, [out], h)
-                    with room:
-                        totals["gen"] += gen_s
-                        totals["env"] += env_s
-                        totals["tokens"] += tokens
-            finally:  # the instance goes back at once, for the next trajectory to be admitted
-                self._close_one(clients, i)
-                with room:
-                    held[server] -= 1
-                    room.notify_all()
-
-        capacities = self.capacities()
-        bounded = all(c != math.inf for c in capacities) and any(capacities)
-        workers = min(len(trajectories), MAX_TRAJECTORY_THREADS, int(sum(capacities)) if bounded else len(trajectories))
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(play, range(len(trajectories))))  # the first error (a dead engine) is raised
-        return totals["gen"], totals["env"], int(totals["tokens"])
 
     def _step_round(self, clients: list[Any], texts: list[str], servers: list[int],
                     record: Callable[[list[int], list[StepOutput]], None] | None = None) -> list[StepOutput]:
@@ -578,49 +310,6 @@ class Rollout:
         if len(t.turns) >= h:
             t.finish("turn_cap")
 
-    @staticmethod
-    def _close_one(clients: list[BaseEnvClient | None], i: int) -> None:
-        """Close trajectory ``i``'s instance now and forget it (already gone, reaped or with its server, is fine)."""
-        client, clients[i] = clients[i], None
-        if client is not None:
-            with contextlib.suppress(EnvServerError):
-                client.close()
-
-    def _close_all(self, clients: list[BaseEnvClient | None], only: Sequence[int] | None = None) -> float:
-        """Close every instance still open (of trajectories ``only``, when given): one ``/close_batch`` request per
-        server (the servers at once), one by one (``RESET_THREADS`` per server at once) where that failed; returns
-        the seconds it took."""
-        started = time.perf_counter()
-        if only is not None and not only:
-            return 0.0
-        server_of = {id(http): s for s, http in enumerate(self.https)}
-        chosen = range(len(clients)) if only is None else only
-        shares: dict[int, list[int]] = {}
-        for i in chosen:
-            client = clients[i]
-            server = server_of.get(id(client.http)) if client is not None else None
-            if server is not None and server not in self.no_batch:
-                shares.setdefault(server, []).append(i)
-
-        def close_share(server: int) -> None:
-            try:
-                close_many([clients[i] for i in shares[server]])  # type: ignore[misc]
-            except EnvServerError as err:
-                if err.status_code in (404, 405):  # an AgentGym server: no batch endpoint
-                    self.no_batch.add(server)
-                return  # left open: closed one by one below
-            for i in shares[server]:
-                clients[i] = None
-
-        with ThreadPoolExecutor(max(1, len(shares))) as pool:
-            list(pool.map(close_share, [s for s, share in shares.items() if len(share) > 1]))
-        open_ = [i for i in chosen if clients[i] is not None]
-        if len(open_) > 1:
-            with ThreadPoolExecutor(min(len(open_), RESET_THREADS * len(self.urls))) as pool:
-                list(pool.map(lambda i: self._close_one(clients, i), open_))
-        for i in open_:  # (a close cut short by an interrupt is tried once more here)
-            self._close_one(clients, i)
-        return time.perf_counter() - started
 
 
 def rollout_stats(result: RolloutResult) -> dict[str, float]:
