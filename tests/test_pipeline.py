@@ -354,3 +354,38 @@ def test_the_committed_lock_holds_the_splits_of_the_committed_code() -> None:
                           timeout=300, check=True)
     stale = json.loads(done.stdout or "{}")
     assert stale == {}, f"dvc.lock is stale for {sorted(stale)}: run `dvc repro` on them and commit dvc.lock"
+
+
+def _imported_files(start: Path) -> set[str]:
+    """The project files ``start`` imports, transitively (every import statement, also those inside functions)."""
+    import ast
+
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        path = todo.pop()
+        if str(path.relative_to(ROOT)) in seen:
+            continue
+        seen.add(str(path.relative_to(ROOT)))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            todo += [ROOT / f"{m.replace('.', '/')}.py" for m in names
+                     if m.split(".")[0] in ("training", "envs") and (ROOT / f"{m.replace('.', '/')}.py").exists()]
+    return seen
+
+
+def test_the_evaluation_stage_depends_on_all_the_code_that_plays_its_episodes() -> None:
+    """A change to any module a rollout runs (the episode loop, its instances, its trajectories, the engine
+    interface, the environment clients) reruns the evaluation: each is a dependency of the eval stage in dvc.yaml."""
+    from flows.dvc_pipeline import EVAL_CODE
+
+    no_result = {"envs/files.py"}  # atomic file writes
+    played = _imported_files(ROOT / "training/rollout.py")
+    missing = sorted(f for f in played - no_result if f not in EVAL_CODE and f.startswith("training/"))
+    assert not missing, f"add {missing} to flows.dvc_pipeline.EVAL_CODE"
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["babyai_eval"]
+    assert set(EVAL_CODE) <= set(stage["deps"])
+    envs = {f for f in played if f.startswith("envs/") and f not in no_result}
+    assert envs <= set(stage["deps"]), sorted(envs - set(stage["deps"]))
