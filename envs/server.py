@@ -30,68 +30,27 @@ from typing import Annotated, Any, TypeVar
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
 from envs.client import TOKEN_ENV_VAR
 from envs.instances import InstanceTable, NotResetError, Slot, UnknownInstanceError
+from envs.requests import (
+    MAX_ACTION_BYTES,
+    ActionTooLargeError,
+    BatchBody,
+    CloseBatchBody,
+    CreateBatchBody,
+    IdBody,
+    RequestShapeError,
+    ResetBody,
+    StepBody,
+    check_action,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_ACTION_BYTES = 1 << 20
 T = TypeVar("T")
-InstanceId = Annotated[int, Field(strict=True, ge=0, validation_alias=AliasChoices("id", "env_idx"))]
-
-
-class ActionTooLargeError(EnvError):
-    status_code = 413
-
-
-class RequestShapeError(EnvError):
-    status_code = 422
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class IdBody(_Body):
-    id: InstanceId
-
-
-class ResetBody(IdBody):
-    data_idx: Annotated[int, Field(strict=True, validation_alias=AliasChoices("data_idx", "idx"))] = 0
-
-
-class StepBody(IdBody):
-    action: Annotated[str, Field(strict=True)]
-
-    @field_validator("action")
-    @classmethod
-    def _utf8(cls, action: str) -> str:
-        try:
-            action.encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate: applied, it would make every answer unencodable
-            raise ValueError(f"the action is not valid UTF-8 (a lone surrogate at character {err.start})") from None
-        return action
-
-
-class BatchBody(_Body):
-    steps: list[StepBody] = Field(min_length=1)
-
-
-class CreateBatchBody(_Body):
-    data_idx: list[Annotated[int, Field(strict=True)]] = Field(min_length=1)
-
-
-class CloseBatchBody(_Body):
-    ids: list[Annotated[int, Field(strict=True, ge=0)]] = Field(min_length=1)
-
-
-def _check_action(action: str) -> None:
-    if len(action) > MAX_ACTION_BYTES // 4 and len(action.encode()) > MAX_ACTION_BYTES:
-        raise ActionTooLargeError(f"action is {len(action.encode())} bytes; the limit is {MAX_ACTION_BYTES} bytes")
 
 
 def _step(slot: Slot, idx: int, action: str) -> StepResult:
@@ -333,7 +292,7 @@ def create_app(
 
     # The hot endpoints return a ready JSONResponse: it skips FastAPI's recursive encoder (a rollout's cost).
     def step_one(body: StepBody) -> JSONResponse:
-        _check_action(body.action)
+        check_action(body.action)
         with table.use(body.id) as slot:
             return JSONResponse(_step(slot, body.id, body.action).to_wire())
 
@@ -342,7 +301,7 @@ def create_app(
         if len(set(ids)) != len(ids):
             raise RequestShapeError("step_batch got the same instance id twice; send one action per instance")
         for s in body.steps:
-            _check_action(s.action)
+            check_action(s.action)
         with contextlib.ExitStack() as stack:  # all locks, in id order (no deadlock), then check, then step
             slots = {i: stack.enter_context(table.use(i)) for i in sorted(ids)}
             for i, slot in slots.items():
