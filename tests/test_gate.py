@@ -175,3 +175,54 @@ def test_gate_stages_carry_their_params_and_the_next_phase_depends_on_the_promot
     params["gate"]["smoke"]["enabled"] = False
     ungated = yaml.safe_load(render(params)[1])["stages"]
     assert "babyai_gate_0" not in ungated and "runs/babyai/phase-0/final" in ungated["babyai_phase_1"]["deps"]
+
+
+def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, monkeypatch) -> None:
+    """One door: the promotion gate and the evaluation stage call the sampler with the same arguments, built once
+    by ``training.specs.eval_spec`` from the same settings (here an eval section that sets k, temperature and
+    seed and leaves the context budget to training's), and differ only in their items."""
+    import training.eval_stage as eval_stage
+    import training.evaluate as evaluate_module
+    from training.config import parse_params
+    from training.gate import GateRun
+    from training.specs import eval_spec
+
+    root = tmp_path / "work"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "data", root / "data")
+    params = load_params()
+    params["eval"]["smoke"].update(k=3, temperature=0.7, seed=11, context_budget=None)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    params = parse_params((root / "params.yaml").read_text())
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    calls: dict[str, dict] = {}
+
+    class Sampled(Exception):
+        pass
+
+    def fake_evaluate(model_dir, env, url, item_ids, **kwargs):
+        calls["gate"] = kwargs
+        raise Sampled
+
+    def fake_checkpoints(folders, env, url, items, **kwargs):
+        calls["eval"] = kwargs
+        raise Sampled
+
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    monkeypatch.setattr(eval_stage, "evaluate_checkpoints", fake_checkpoints)
+    monkeypatch.setattr(eval_stage, "server_capacity", lambda url: None)
+    spec = eval_spec("babyai", params)
+    gate = GateRun("babyai", 0, root, "http://127.0.0.1:9", None, lambda: spec.config.batch_items)
+    with pytest.raises(Sampled):
+        gate.outcomes(checkpoint)
+    with pytest.raises(Sampled):
+        eval_stage._run_single_eval("babyai", params, spec, "http://127.0.0.1:9", {"base": checkpoint}, None)
+    for call in calls.values():
+        call.pop("progress", None)
+    assert calls["gate"] == calls["eval"] == {"batch_items": spec.config.batch_items, "policy_url": None,
+                                              **spec.sampling()}
+    assert spec.sampling()["k"] == 3 and spec.sampling()["temperature"] == 0.7 and spec.sampling()["seed"] == 11
+    train_budget = params["train"]["smoke"].get("context_budget", 2048)
+    assert spec.sampling()["context_budget"] == train_budget  # eval's None: training's budget
+    assert gate.spec == spec

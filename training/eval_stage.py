@@ -41,7 +41,7 @@ from training.config import (
 )
 from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
-from training.specs import read_promotion
+from training.specs import EvalSpec, eval_spec, read_promotion
 from training.vllm_server import running_vllm
 
 
@@ -115,14 +115,13 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     started here on the first checkpoint)."""
     root = root or project_root()
     params = load_params(root / "params.yaml")
-    config = eval_config(env, profile, params)
-    # the same cap for the curriculum and its baselines: the curriculum's last h, so runs compare
-    h = config.h or curriculum_config(env, profile, params).phases()[-1].h
+    spec = eval_spec(env, params, profile)
+    config = spec.config
     folders = checkpoints(env, profile, root, baseline)
     if env == MIXED:
-        result = _run_mixed_eval(params, profile, config, h, url, folders, progress)
+        result = _run_mixed_eval(params, profile, config, spec.h, url, folders, progress)
     else:
-        result = _run_single_eval(env, params, config, h, url, folders, progress, policy_url)
+        result = _run_single_eval(env, params, spec, url, folders, progress, policy_url)
     for name, folder in folders.items():
         manifest = folder / "manifest.json"
         result["checkpoints"][name]["hash"] = read_manifest(folder)["hash"] if manifest.exists() else None
@@ -160,16 +159,14 @@ def eval_summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
             for name, c in result["checkpoints"].items()}
 
 
-def _run_single_eval(env: str, params: dict[str, Any], config: Any, h: int, url: str | None,
+def _run_single_eval(env: str, params: dict[str, Any], spec: EvalSpec, url: str | None,
                      folders: dict[str, Path], progress: Callable[[str], None] | None,
                      policy_url: str | None = None) -> dict[str, Any]:
-    items = test_items(env, config)
-    with eval_servers(env, params, config, url, policy_url, next(iter(folders.values()))) as (base, served, batch):
-        return evaluate_checkpoints(folders, env, base, items, h=h, k=config.k, temperature=config.temperature,
-                                    max_new_tokens=config.max_new_tokens, seed=config.seed, batch_items=batch(),
-                                    progress=progress, context_budget=config.context_budget or 8192,
-                                    device=config.device, policy_url=served, policy_server=policy_server_config(params),
-                                    prefix_cache_gb=config.prefix_cache_gb)
+    items = test_items(env, spec.config)
+    first = next(iter(folders.values()))
+    with eval_servers(env, params, spec.config, url, policy_url, first) as (base, served, batch):
+        return evaluate_checkpoints(folders, env, base, items, batch_items=batch(), progress=progress,
+                                    policy_url=served, **spec.sampling())
 
 
 @contextlib.contextmanager
@@ -232,8 +229,8 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
 
     root = root or project_root()
     params = load_params(root / "params.yaml")
-    config = eval_config(env, profile, params)
-    h = config.h or curriculum_config(env, profile, params).phases()[-1].h
+    spec = eval_spec(env, params, profile)  # the items, seed, k, temperature and h the checkpoints get
+    config, h = spec.config, spec.h
     items = test_items(env, config)
     key = os.environ.get("SCALINGINTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
     path = Run(env, root=root).eval_outside(model)

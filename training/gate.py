@@ -41,14 +41,12 @@ from training.config import (
     ConfigError,
     GateConfig,
     curriculum_config,
-    eval_config,
     gate_config,
     load_params,
-    policy_server_config,
 )
 from training.eval_stage import eval_servers, test_items
 from training.layout import Run
-from training.specs import PhaseSpec, phase_spec, read_promotion
+from training.specs import PhaseSpec, eval_spec, phase_spec, read_promotion
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
 PROMOTION_KEYS = ("checkpoint", "hash", "decision", "stop")
@@ -88,9 +86,8 @@ class GateRun:
         params = load_params(root / "params.yaml")
         self.env, self.index, self.root, self.url, self.policy_url = env, index, root, url, policy_url
         self.config = gate_config(env, params=params)
-        self.eval = eval_config(env, params=params)
-        self.h = self.eval.h or curriculum_config(env, params=params).phases()[-1].h
-        self.server = policy_server_config(params)
+        self.spec = eval_spec(env, params)  # sampled as the evaluation stage samples
+        self.eval, self.h = self.spec.config, self.spec.h
         if not load_split(env, "gate", root / "data"):
             raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
                               f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
@@ -126,12 +123,8 @@ class GateRun:
 
             if self.progress is not None:
                 self.progress(f"gate {self.index}: evaluating {checkpoint}")
-            result = evaluate(checkpoint, self.env, self.url, self.items, h=self.h, k=self.eval.k,
-                              temperature=self.eval.temperature, max_new_tokens=self.eval.max_new_tokens,
-                              seed=self.eval.seed, batch_items=self.batch_items(),
-                              context_budget=self.eval.context_budget or 8192, device=self.eval.device,
-                              policy_url=self.policy_url,
-                              policy_server=self.server, prefix_cache_gb=self.eval.prefix_cache_gb)
+            result = evaluate(checkpoint, self.env, self.url, self.items, batch_items=self.batch_items(),
+                              policy_url=self.policy_url, **self.spec.sampling())
             self.episodes += len(self.items) * self.eval.k
             data = {"checkpoint": str(checkpoint.relative_to(self.root)) if checkpoint.is_relative_to(self.root)
                     else str(checkpoint), "hash": digest,
@@ -167,7 +160,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                    "note": "the curriculum stopped at an earlier gate; this phase trained nothing"}
         return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
                                                                                       "stop": True}, summary)
-    with eval_servers(env, params, eval_config(env, params=params), url, policy_url, parent) as (base, served, batch):
+    with eval_servers(env, params, eval_spec(env, params).config, url, policy_url, parent) as (base, served, batch):
         gate = GateRun(env, index, root, base, served, batch, progress)
         before = gate.outcomes(parent)
         first = decide(before, gate.outcomes(candidate), config)

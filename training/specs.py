@@ -1,7 +1,8 @@
 """The doors from settings to a stage's spec: one builder per stage kind, used by the CLI, the Prefect tasks, the
 DVC stages and the benchmarks alike. A phase: :func:`phase_spec` (the pipeline's) and :func:`build_phase_spec` (what
-both it and ``train-phase`` call); a warm start: :func:`warm_spec`; the evaluation and the promotion gate take
-theirs from ``training.config`` (:func:`~training.config.eval_config`, :func:`~training.config.gate_config`).
+both it and ``train-phase`` call); a warm start: :func:`warm_spec`; how checkpoints are sampled for a score:
+:func:`eval_spec`, the one the evaluation stage and the promotion gates both take (the gate's own settings, its
+items and margin, from :func:`~training.config.gate_config`).
 Placement (``SCALINGINTER_DEVICE``) is applied inside them, once (``training.config.train_config``).
 """
 
@@ -16,11 +17,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from training.config import (
     ConfigError,
+    EvalConfig,
     PolicyServerConfig,
     ServerConfig,
     TrainConfig,
     base_model_dir,
     curriculum_config,
+    eval_config,
     gate_config,
     load_params,
     mixed_components,
@@ -163,3 +166,29 @@ def _phases_file(root: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} not found: run `scalinginter pipeline`")
     return yaml.safe_load(path.read_text()) or {}
 
+
+class EvalSpec(BaseModel):
+    """How checkpoints are sampled for a score (the evaluation stage's and every promotion gate's): the
+    evaluation's settings, the turn cap and the policy server (``engine: vllm``)."""
+
+    model_config = ConfigDict(frozen=True)
+    env: str
+    config: EvalConfig
+    h: int
+    policy_server: PolicyServerConfig
+
+    def sampling(self) -> dict[str, Any]:
+        """``training.evaluate``'s sampling arguments (the items, servers and batch size are the caller's)."""
+        c = self.config
+        return {"h": self.h, "k": c.k, "temperature": c.temperature, "max_new_tokens": c.max_new_tokens,
+                "seed": c.seed, "context_budget": c.context_budget or 8192, "device": c.device,
+                "policy_server": self.policy_server, "prefix_cache_gb": c.prefix_cache_gb}
+
+
+def eval_spec(env: str, params: dict[str, Any], profile: str | None = None) -> EvalSpec:
+    """``env``'s evaluation under ``profile`` (default: ``curriculum.profile``): ``eval.<profile>`` with its
+    placement, and the turn cap, the curriculum's last h unless ``eval.h`` sets one (the same cap for the
+    curriculum and its baselines, so runs compare)."""
+    config = eval_config(env, profile, params)
+    h = config.h or curriculum_config(env, profile, params).phases()[-1].h
+    return EvalSpec(env=env, config=config, h=h, policy_server=policy_server_config(params))
