@@ -48,10 +48,17 @@ class Slot:
     done: bool = False
 
 
+#: an environment server's defaults (``env_server`` in params.yaml, ``scalinginter serve``, the launcher): every
+#: layer takes them from here
+MAX_INSTANCES = 1024  # live instances at once (429 beyond)
+IDLE_TTL_S = 600.0  # an instance idle this long is reaped
+
+
 class InstanceTable:
     """Thread-safe table of live instances."""
 
-    def __init__(self, backend: Backend, max_instances: int = 1024, idle_ttl_s: float = 600.0) -> None:
+    def __init__(self, backend: Backend, max_instances: int = MAX_INSTANCES, idle_ttl_s: float = IDLE_TTL_S
+                 ) -> None:
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
         self.backend = backend

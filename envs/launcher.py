@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from envs.client import tls_context
+from envs.instances import IDLE_TTL_S, MAX_INSTANCES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,8 +103,8 @@ def start_server(
     env: str,
     *,
     host: str = "127.0.0.1",
-    max_instances: int = 1024,
-    idle_ttl_s: float = 600.0,
+    max_instances: int = MAX_INSTANCES,
+    idle_ttl_s: float = IDLE_TTL_S,
     token: str | None = None,
     max_body_bytes: int = 64 << 20,
     timeout_s: float = 60.0,

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import Backend, EnvError, EpisodeFinishedError, StepResult
 from envs.client import TOKEN_ENV_VAR
-from envs.instances import InstanceTable, NotResetError, Slot, UnknownInstanceError
+from envs.instances import IDLE_TTL_S, MAX_INSTANCES, InstanceTable, NotResetError, Slot, UnknownInstanceError
 from envs.requests import (
     MAX_ACTION_BYTES,
     ActionTooLargeError,
@@ -170,8 +170,8 @@ class Gate:
 def create_app(
     backend: Backend,
     *,
-    max_instances: int = 1024,
-    idle_ttl_s: float = 600.0,
+    max_instances: int = MAX_INSTANCES,
+    idle_ttl_s: float = IDLE_TTL_S,
     token: str | None = None,
     max_body_bytes: int = 64 << 20,
 ) -> FastAPI:
@@ -440,8 +440,8 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
-    max_instances: int = 1024,
-    idle_ttl_s: float = 600.0,
+    max_instances: int = MAX_INSTANCES,
+    idle_ttl_s: float = IDLE_TTL_S,
     token: str | None = None,
     options: dict[str, Any] | None = None,
     log_level: str = "warning",
@@ -462,8 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("env")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-instances", type=int, default=1024)
-    parser.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle instance is reaped")
+    parser.add_argument("--max-instances", type=int, default=MAX_INSTANCES)
+    parser.add_argument("--idle-ttl", type=float, default=IDLE_TTL_S, help="seconds before an idle instance is reaped")
     parser.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV_VAR})")
     parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get 413")
     parser.add_argument("--option", action="append", default=[], help="backend option key=value (repeatable)")

@@ -24,6 +24,7 @@ from typing import Annotated
 
 import typer
 
+from envs.instances import IDLE_TTL_S, MAX_INSTANCES
 from envs.registry import SERVED
 from flows.cli_common import EnvArg, app, check_env, check_envs, console, fail, pairs
 
@@ -33,8 +34,9 @@ def serve(
     env: EnvArg,
     host: Annotated[str, typer.Option(help="interface to bind; 0.0.0.0 exposes it to the network")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    max_instances: Annotated[int, typer.Option(help="live instances allowed at once (429 beyond)")] = 1024,
-    idle_ttl: Annotated[float, typer.Option(help="seconds of inactivity before an instance is reaped")] = 600.0,
+    max_instances: Annotated[int, typer.Option(help="live instances allowed at once (429 beyond)")] = MAX_INSTANCES,
+    idle_ttl: Annotated[float, typer.Option(help="seconds of inactivity before an instance is reaped")]
+    = IDLE_TTL_S,
     token: Annotated[
         str | None, typer.Option(envvar="SCALINGINTER_ENV_TOKEN", help="bearer token required on all but /health")
     ] = None,

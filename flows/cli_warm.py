@@ -4,12 +4,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel
 
 from flows.cli_common import DeviceOpt, EnvArg, app, check_env, console, device_here, fail
-from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
+from training.warm import PREFIX_CACHE_HELP, DPOStage, RFTStage, SFTStage
+
+
+def _default(stage: type[BaseModel], name: str) -> Any:
+    """The warm-start stage's own default for ``name``: the command and params.yaml cannot disagree."""
+    return stage.model_fields[name].default
 
 
 @app.command("warm-stage")
@@ -89,11 +95,11 @@ def sft(
     episodes: Annotated[int | None, typer.Option(help="expert episodes from the training split (64 unless --from)")]
     = None,
     sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
-    epochs: Annotated[int, typer.Option(help="passes over the episodes")] = 3,
-    lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+    epochs: Annotated[int, typer.Option(help="passes over the episodes")] = _default(SFTStage, "epochs"),
+    lr: Annotated[float, typer.Option(help="learning rate")] = _default(SFTStage, "lr"),
     max_tokens: Annotated[int, typer.Option(help="longest episode trained on (longer ones are left out, counted)")]
-    = 2048,
-    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
+    = _default(SFTStage, "max_tokens"),
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = _default(SFTStage, "lora_r"),
     from_: Annotated[list[str] | None, typer.Option("--from", help="train on the successful episodes recorded in "
                                                     "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
                                                     "DPO pairs) instead of expert episodes (repeatable)")] = None,
@@ -121,19 +127,22 @@ def rft(
     env: EnvArg,
     init: Annotated[str | None, typer.Option(help="policy to start from (default: models/<model.preset>)")] = None,
     out: Annotated[str, typer.Option(help="folder of the rounds: round-<r>/ and round-<r>.jsonl")] = "runs/rft",
-    rounds: Annotated[int, typer.Option(help="sample -> keep successes -> SFT rounds")] = 2,
-    k: Annotated[int, typer.Option(help="episodes sampled per item each round")] = 4,
-    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
-    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    rounds: Annotated[int, typer.Option(help="sample -> keep successes -> SFT rounds")] = _default(RFTStage, "rounds"),
+    k: Annotated[int, typer.Option(help="episodes sampled per item each round")] = _default(RFTStage, "k"),
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = _default(RFTStage, "h"),
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = _default(RFTStage, "items"),
     sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
-    keep: Annotated[str, typer.Option(help="all successful episodes, or each item's shortest")] = "all",
-    temperature: Annotated[float, typer.Option(help="sampling temperature")] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
-    epochs: Annotated[int, typer.Option(help="SFT passes over each round's kept episodes")] = 3,
-    lr: Annotated[float, typer.Option(help="SFT learning rate")] = 1e-3,
+    keep: Annotated[str, typer.Option(help="all successful episodes, or each item's shortest")]
+    = _default(RFTStage, "keep"),
+    temperature: Annotated[float, typer.Option(help="sampling temperature")] = _default(RFTStage, "temperature"),
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")]
+    = _default(RFTStage, "max_new_tokens"),
+    epochs: Annotated[int, typer.Option(help="SFT passes over each round's kept episodes")]
+    = _default(RFTStage, "epochs"),
+    lr: Annotated[float, typer.Option(help="SFT learning rate")] = _default(RFTStage, "lr"),
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
-    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
-    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = _default(RFTStage, "lora_r"),
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = _default(RFTStage, "prefix_cache_gb"),
     device: DeviceOpt = "cpu",
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
@@ -159,17 +168,18 @@ def dpo(
                                                   "(default: models/<model.preset>)")] = None,
     out: Annotated[str, typer.Option(help="stage folder: the checkpoint in final/, the pairs in "
                                           "final.pairs.jsonl")] = "runs/dpo",
-    k: Annotated[int, typer.Option(help="episodes sampled per item to make pairs")] = 4,
-    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = 6,
-    items: Annotated[int, typer.Option(help="first N items of the training split")] = 32,
+    k: Annotated[int, typer.Option(help="episodes sampled per item to make pairs")] = _default(DPOStage, "k"),
+    h: Annotated[int, typer.Option(help="turn cap of the sampled episodes")] = _default(DPOStage, "h"),
+    items: Annotated[int, typer.Option(help="first N items of the training split")] = _default(DPOStage, "items"),
     sub_task: Annotated[list[str] | None, typer.Option(help=SUB_TASK_HELP)] = None,
-    beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
-    epochs: Annotated[int, typer.Option(help="passes over the pairs")] = 3,
-    lr: Annotated[float, typer.Option(help="learning rate")] = 5e-5,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")] = 64,
+    beta: Annotated[float, typer.Option(help="DPO beta")] = _default(DPOStage, "beta"),
+    epochs: Annotated[int, typer.Option(help="passes over the pairs")] = _default(DPOStage, "epochs"),
+    lr: Annotated[float, typer.Option(help="learning rate")] = _default(DPOStage, "lr"),
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per assistant turn")]
+    = _default(DPOStage, "max_new_tokens"),
     url: Annotated[str | None, typer.Option(envvar="SCALINGINTER_ENV_URL", help=ENV_URL_HELP)] = None,
-    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = 0,
-    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = PREFIX_CACHE_GB,
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = _default(DPOStage, "lora_r"),
+    prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = _default(DPOStage, "prefix_cache_gb"),
     device: DeviceOpt = "cpu",
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from envs.instances import IDLE_TTL_S, MAX_INSTANCES
 from envs.paths import project_root
 from training.curriculum import CurriculumConfig
 from training.devices import placement
@@ -381,8 +382,8 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 also serves other machines")
-    max_instances: int = Field(1024, ge=1, description="live instances at once (429 beyond)")
-    idle_ttl_s: float = Field(600.0, gt=0, description="idle instances are reaped after this many seconds")
+    max_instances: int = Field(MAX_INSTANCES, ge=1, description="live instances at once (429 beyond)")
+    idle_ttl_s: float = Field(IDLE_TTL_S, gt=0, description="idle instances are reaped after this many seconds")
     replicas: int = Field(1, ge=1, le=64, description="servers of the environment started side by side; rollouts "
                           "spread their trajectories over them by capacity and survive losing one")
     options: dict[str, str | int | float | bool] = Field(default_factory=dict,
