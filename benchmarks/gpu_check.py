@@ -54,7 +54,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from training.devices import autocast, resolve_device
-    from training.engine import HFEngine, SamplingParams
+    from training.engines.engine import HFEngine, SamplingParams
     from training.losses import actor_loss, policy_forward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

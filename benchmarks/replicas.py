@@ -38,7 +38,7 @@ class TurnLeft:
         self.hook, self.calls = hook, 0
 
     def generate(self, prompts, params):
-        from training.engine import Generation
+        from training.engines.engine import Generation
 
         self.calls += 1
         self.hook(self.calls)
@@ -147,10 +147,10 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     from envs.launcher import running_replicas
     from envs.splits import load_split
     from training.config import PolicyServerConfig
+    from training.engines.vllm_engine import VLLMEngine
+    from training.engines.vllm_server import running_vllm
     from training.model import load_policy
     from training.rollout import Rollout, RolloutConfig
-    from training.vllm_engine import VLLMEngine
-    from training.vllm_server import running_vllm
 
     model_dir = tiny_model()
     _, tokenizer = load_policy(model_dir)

@@ -19,7 +19,7 @@ import torch
 
 from envs.launcher import running_server
 from envs.splits import load_split
-from training.engine import HFEngine, SamplingParams
+from training.engines.engine import HFEngine, SamplingParams
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 from training.warm import PREFIX_CACHE_GB

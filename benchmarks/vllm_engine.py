@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     from training.chat_format import ChatFormat
     from training.config import PolicyServerConfig
-    from training.engine import HFEngine, SamplingParams
+    from training.engines.engine import HFEngine, SamplingParams
+    from training.engines.vllm_engine import VLLMEngine
+    from training.engines.vllm_server import running_vllm
+    from training.engines.weight_sync import WeightChannel, WeightSync, probe_sequence
     from training.model import load_policy
-    from training.vllm_engine import VLLMEngine
-    from training.vllm_server import running_vllm
-    from training.weight_sync import WeightChannel, WeightSync, probe_sequence
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))

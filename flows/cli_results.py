@@ -140,7 +140,7 @@ def eval_outside_cmd(
     from pathlib import Path
 
     from training.config import ConfigError, base_model_dir, load_params
-    from training.engine import EngineError
+    from training.engines.engine import EngineError
     from training.eval_stage import run_outside_eval
     from training.evaluate import ChatSettings
     from training.layout import Run

@@ -49,9 +49,7 @@ ENV_CORE = [f"envs/{name}.py" for name in ("base", "client", "instances", "launc
 TRAIN_CODE = ["training", *ENV_CORE]
 EVAL_CODE = ["training/evaluate.py", "training/rollout.py", "training/rollout_instances.py",
              "training/rollout_async.py", "training/trajectory.py", "training/chat_format.py", "training/sampler.py",
-             "training/engine.py", "training/vllm_engine.py", "training/vllm_server.py", "training/weight_sync.py",
-             "training/chat_engine.py", "training/vllm_worker.py", "training/model.py", "training/eval_stage.py",
-             *ENV_CORE]
+             "training/engines", "training/model.py", "training/eval_stage.py", *ENV_CORE]
 #: stage commands run the working copy's own code (``python -m``; a queued experiment's snapshot, not the
 #: editable install's checkout)
 CLI = "python -m flows.cli"

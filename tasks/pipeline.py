@@ -131,7 +131,7 @@ def provision_policy_server(model_dir: Path, server: PolicyServerConfig, max_mod
     comma-separated, their pids). Each phase and the evaluation load their own weights into them and verify them
     with the probe before sampling; with ``lora_rank`` (train.lora) a phase keeps its starting weights there and
     syncs its adapters in place."""
-    from training.vllm_server import start_vllm_replicas, stop_vllm
+    from training.engines.vllm_server import start_vllm_replicas, stop_vllm
 
     url, procs = start_vllm_replicas(model_dir, server, max_model_len, lora_rank)
     for proc in procs:

@@ -22,13 +22,14 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_import_contracts_hold() -> None:
     done = _lint(ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 kept, 0 broken" in done.stdout
+    assert "4 kept, 0 broken" in done.stdout
 
 
 @pytest.mark.parametrize(("module", "line", "contract"), [
     ("training/upward.py", "import tasks.stages\n", "no import upwards"),
     ("envs/orchestrated.py", "import prefect\n", "free of Prefect and DVC"),
     ("flows/circle.py", "import flows.cli\n", "no import circle"),
+    ("training/engines/upward.py", "import training.lineage\n", "engines know nothing of the trainer"),
 ])
 def test_a_planted_violation_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for package in ("flows", "tasks", "training", "envs"):
@@ -41,7 +42,9 @@ def test_a_planted_violation_breaks_its_contract(tmp_path: Path, module: str, li
     done = _lint(tmp_path)
     assert done.returncode != 0
     broken = [row for row in done.stdout.splitlines() if row.endswith("BROKEN")]
-    assert len(broken) == 1 and contract in broken[0], done.stdout[-2000:]
+    # an engine module importing a stage also closes a circle (every stage reaches the engines): two contracts break
+    assert len(broken) == (2 if module.startswith("training/engines/") else 1), done.stdout[-2000:]
+    assert contract in broken[0], done.stdout[-2000:]
 
 
 def test_every_environment_variable_the_code_reads_is_on_the_settings_page() -> None:

@@ -158,7 +158,7 @@ def test_eval_sub_tasks_choose_the_test_and_gate_items_and_an_unknown_one_names_
 
 
 def test_the_chat_answer_cache_survives_a_line_torn_by_a_kill(tmp_path) -> None:
-    from training.chat_engine import ResponseCache
+    from training.engines.chat_engine import ResponseCache
 
     path = tmp_path / "cache.jsonl"
     path.write_text('{"key": "a", "text": "x"}\n{"key": "b", "te')  # killed mid-write

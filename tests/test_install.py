@@ -12,7 +12,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from training.vllm_server import vllm_python
+from training.engines.vllm_server import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("dev", "deepspeed", "dense")  # what `make install` installs

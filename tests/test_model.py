@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from training.engine import HFEngine, SamplingParams
+from training.engines.engine import HFEngine, SamplingParams
 from training.model import build_tiny, load_policy
 
 CORPUS = ["Thought: I need planks.\nAction: craft 4 oak planks using 1 oak logs", "Got 1 oak logs",

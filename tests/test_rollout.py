@@ -16,7 +16,7 @@ from envs.registry import expert
 from envs.splits import item_index, load_split
 from training.chat_format import ChatFormat, opening_messages
 from training.config import curriculum_config
-from training.engine import Generation, HFEngine, ScriptedEngine
+from training.engines.engine import Generation, HFEngine, ScriptedEngine
 from training.rollout import Rollout, RolloutConfig
 
 

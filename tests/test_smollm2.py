@@ -14,12 +14,12 @@ from envs.launcher import ROOT
 from training.chat_format import ChatFormat
 from training.checkpoint import read_manifest
 from training.config import PolicyServerConfig, TrainConfig
-from training.engine import SamplingParams
+from training.engines.engine import SamplingParams
+from training.engines.vllm_engine import VLLMEngine
+from training.engines.vllm_server import running_vllm
+from training.engines.weight_sync import WeightSync, probe_sequence, weights_hash
 from training.model import load_policy
 from training.trainer import train_phase
-from training.vllm_engine import VLLMEngine
-from training.vllm_server import running_vllm
-from training.weight_sync import WeightSync, probe_sequence, weights_hash
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,8 @@ def _chat_api_evaluation(url: str, model_dir, env_url: str) -> None:
     from envs.registry import spec_class
     from envs.splits import item_index, load_split
     from training.chat_format import opening_messages
+    from training.engines.vllm_server import SERVED_NAME
     from training.evaluate import ChatSettings, evaluate_outside
-    from training.vllm_server import SERVED_NAME
 
     items = [r["item_id"] for r in load_split("babyai", "test")[:2]]
     result = evaluate_outside(url, SERVED_NAME, model_dir, "babyai", env_url, items, h=1, k=1, temperature=0.0,

@@ -25,11 +25,18 @@ from envs.launcher import ROOT, free_port
 from flows.cli_common import pairs
 from training.chat_format import ChatFormat
 from training.config import PolicyServerConfig, train_config
-from training.engine import EngineError, SamplingParams
+from training.engines.engine import EngineError, SamplingParams
+from training.engines.vllm_engine import VLLMEngine
+from training.engines.vllm_server import running_vllm, start_vllm_replicas, stop_vllm_all
+from training.engines.weight_sync import (
+    WeightSync,
+    probe_logprobs,
+    probe_sequence,
+    sendable_state,
+    tensors_hash,
+    weights_hash,
+)
 from training.trainer import PhaseTrainer
-from training.vllm_engine import VLLMEngine
-from training.vllm_server import running_vllm, start_vllm_replicas, stop_vllm_all
-from training.weight_sync import WeightSync, probe_logprobs, probe_sequence, sendable_state, tensors_hash, weights_hash
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +180,7 @@ def test_replicas_split_the_requests_give_the_same_samples_and_all_take_each_syn
         synced = both.generate(prompts, params)
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait()
-        with caplog.at_level(logging.WARNING, logger="training.vllm_engine"):
+        with caplog.at_level(logging.WARNING, logger="training.engines.vllm_engine"):
             survived = both.generate(prompts, params)
         assert [g.token_ids for g in survived] == [g.token_ids for g in synced] and both.dead == {0}
         assert f"policy server {urls[0]} stopped answering" in caplog.text
@@ -225,7 +232,7 @@ def test_a_collective_sync_broadcasts_the_weights_without_writing_them(vllm_url,
 
 
 def test_a_collective_sync_with_an_unreachable_server_fails_at_once_and_clearly(tiny_policy) -> None:
-    from training.weight_sync import WeightChannel
+    from training.engines.weight_sync import WeightChannel
 
     _, tokenizer = tiny_policy
     port = free_port()  # nothing listens: the group is never opened, nothing waits for its timeout
@@ -234,7 +241,7 @@ def test_a_collective_sync_with_an_unreachable_server_fails_at_once_and_clearly(
 
 
 def test_a_server_log_with_errors_before_its_shutdown_is_kept(tmp_path) -> None:
-    from training.vllm_server import _logged_errors
+    from training.engines.vllm_server import _logged_errors
 
     log = tmp_path / "vllm.log"
     log.write_text("(EngineCore pid=1) ERROR 12-01 [core.py:1] EngineCore failed\n(APIServer) INFO [shutdown] begin\n")
@@ -439,7 +446,7 @@ def test_a_cpu_server_runs_its_model_threads_where_policy_server_says() -> None:
     naming the settings."""
     from pydantic import ValidationError
 
-    from training.vllm_server import server_env
+    from training.engines.vllm_server import server_env
 
     assert server_env(PolicyServerConfig())["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert server_env(PolicyServerConfig(cpu_executor="mp"))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -569,7 +576,7 @@ def _chat_eval(vllm_url: str, env_url: str, tiny_model_dir: Path, **settings):
     from training.evaluate import ChatSettings, evaluate_outside
 
     items = [r["item_id"] for r in load_split("babyai", "test")[:CHAT_ITEMS]]
-    from training.vllm_server import SERVED_NAME
+    from training.engines.vllm_server import SERVED_NAME
 
     return evaluate_outside(vllm_url, SERVED_NAME, tiny_model_dir, "babyai", env_url, items, h=2, k=2,
                             temperature=1.0, max_new_tokens=16, seed=3, context_budget=1900,
@@ -696,8 +703,8 @@ def test_the_evaluation_stage_evaluates_the_outside_models_params_yaml_lists(vll
     import shutil
 
     from tests.test_pipeline import _without_main_job_warm_start
+    from training.engines.vllm_server import SERVED_NAME
     from training.eval_stage import run_outside_models
-    from training.vllm_server import SERVED_NAME
 
     params = yaml.safe_load(_without_main_job_warm_start((ROOT / "params.yaml").read_text()))
     params["eval"]["smoke"] |= {"h": 2, "context_budget": 1900, "k": 1, "temperature": 0.0,

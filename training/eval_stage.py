@@ -39,10 +39,10 @@ from training.config import (
     server_config,
     train_config,
 )
+from training.engines.vllm_server import running_vllm
 from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
 from training.specs import EvalSpec, eval_spec, read_promotion
-from training.vllm_server import running_vllm
 
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None

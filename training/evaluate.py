@@ -133,19 +133,19 @@ def evaluate_outside(policy_url: str, model: str, tokenizer_dir: Path, env: str,
     """An outside model at ``policy_url`` under the name ``model``, on the same rollout and metrics as our
     checkpoints. Without ``chat``: a server that takes token-id prompts (vLLM, SGLang), the prompts laid out with the
     chat template of ``tokenizer_dir`` (the served model's own tokenizer). With ``chat``: any OpenAI-compatible chat
-    API (messages in, text out; ``training.chat_engine``), ``tokenizer_dir`` then only counting the context budget
-    (the project's tokenizer will do); its requests, cache hits, retries, tokens and cost in the result's ``api``.
-    ``api_key`` is sent as a bearer token and never logged."""
+    API (messages in, text out; ``training.engines.chat_engine``), ``tokenizer_dir`` then only counting the context
+    budget (the project's tokenizer will do); its requests, cache hits, retries, tokens and cost in the result's
+    ``api``. ``api_key`` is sent as a bearer token and never logged."""
     from transformers import AutoTokenizer
 
-    from training.vllm_engine import VLLMEngine
+    from training.engines.vllm_engine import VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), padding_side="left")
     engine: Any
     if chat is None:
         engine = VLLMEngine(policy_url, tokenizer.eos_token_id, model=model, api_key=api_key)
     else:
-        from training.chat_engine import ChatEngine
+        from training.engines.chat_engine import ChatEngine
 
         engine = ChatEngine(policy_url, model, tokenizer.eos_token_id, api_key=api_key, concurrency=chat.concurrency,
                             retries=chat.retries, backoff_s=chat.backoff_s, timeout_s=chat.timeout_s,

@@ -37,7 +37,7 @@ def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, p
             e: stack.enter_context(running_replicas(e, **spec.servers.get(e, spec.server).launch_kwargs()))
             for e in envs}, envs)
         if spec.train.engine == "vllm" and policy_url is None and not (spec.out / "final" / MANIFEST).exists():
-            from training.vllm_server import running_vllm
+            from training.engines.vllm_server import running_vllm
 
             length = spec.policy_server.max_len(spec.train.context_budget, spec.train.max_new_tokens)
             lora = spec.train.lora.r if spec.train.lora is not None else None  # adapters synced in place

@@ -439,8 +439,8 @@ def check_versions(p: Plan) -> list[Finding]:
         build += f", torch_npu {getattr(torch_npu, '__version__', '?')}, CANN {cann_version() or 'not found'}"
     findings.append(Finding("versions", True, build))
     if p.vllm:
-        from training.engine import EngineError
-        from training.vllm_server import vllm_python
+        from training.engines.engine import EngineError
+        from training.engines.vllm_server import vllm_python
 
         try:
             python: Path | str = vllm_python()

@@ -49,7 +49,7 @@ from envs.client import (
 from envs.registry import client_class
 from envs.urls import ServerUrls
 from training.chat_format import ChatFormat, opening_messages
-from training.engine import Generation, PolicyEngine, SamplingParams
+from training.engines.engine import Generation, PolicyEngine, SamplingParams
 from training.rollout_async import AsyncPlay
 from training.rollout_instances import InstancePool, with_retries
 from training.trajectory import TERMINATIONS, Trajectory, Turn

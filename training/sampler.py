@@ -1,5 +1,5 @@
 """The sampler, built in one place: the engine a policy's episodes are generated with (``hf`` in this process, or
-a vLLM server kept in step with the policy by a :class:`~training.vllm_engine.WeightSync`) and the rollout
+a vLLM server kept in step with the policy by a :class:`~training.engines.vllm_engine.WeightSync`) and the rollout
 settings of a training phase. The trainer, the evaluation and RFT's sampling all take theirs from here; and how a
 training phase samples each step (:class:`PhaseSampling`).
 """
@@ -16,7 +16,7 @@ import torch
 
 from training.config import PolicyServerConfig, TrainConfig
 from training.devices import distributed_backend
-from training.engine import HFEngine, PolicyEngine
+from training.engines.engine import HFEngine, PolicyEngine
 from training.rollout import RolloutConfig, RolloutResult
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ def build_sampler(model: torch.nn.Module, tokenizer: Any, source: Path, *, polic
     if policy_url is None:
         return Sampler(HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                 prefix_cache_gb=prefix_cache_gb))
-    from training.vllm_engine import VLLMEngine
-    from training.weight_sync import WeightSync
+    from training.engines.vllm_engine import VLLMEngine
+    from training.engines.weight_sync import WeightSync
 
     if not syncs:
         return Sampler(VLLMEngine(policy_url, tokenizer.eos_token_id))

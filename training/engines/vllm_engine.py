@@ -1,4 +1,4 @@
-"""The ``vllm`` engine: a vLLM server (``training.vllm_server`` starts one) behind ``PolicyEngine``.
+"""The ``vllm`` engine: a vLLM server (``training.engines.vllm_server`` starts one) behind ``PolicyEngine``.
 
     with running_vllm(Path("models/tiny"), PolicyServerConfig(), max_model_len=4096) as url:
         engine = VLLMEngine(url, eos_token_id=tokenizer.eos_token_id)
@@ -11,7 +11,7 @@ ids, ``return_token_ids`` and ``logprobs``. Nothing is decoded and re-encoded. T
 ``--logprobs-mode processed_logprobs``, so log-probs are taken after temperature, as the hf engine's and the PPO
 ratio's are. Each prompt is its own request with its own seed (derived from the call's seed and the prompt's
 position; one batched request would give every prompt of a GRPO group the same sample); vLLM batches the concurrent
-requests continuously. Weights reach the server through ``training.weight_sync``.
+requests continuously. Weights reach the server through ``training.engines.weight_sync``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Literal
 import httpx
 
 from envs.client import tls_context
-from training.engine import EngineError, Generation, SamplingParams, ServerUnreachable
-from training.vllm_server import SERVED_NAME
+from training.engines.engine import EngineError, Generation, SamplingParams, ServerUnreachable
+from training.engines.vllm_server import SERVED_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class VLLMEngine:
         self._post_all("/reset_prefix_cache", {})
 
     def rpc(self, method: str, **kwargs: Any) -> list[Any]:
-        """Call ``method`` of :mod:`training.vllm_worker` on every worker of every server; their answers."""
+        """Call ``method`` of :mod:`training.engines.vllm_worker` on every worker of every server; their answers."""
         answers = self._post_all("/collective_rpc", {"method": method, "kwargs": kwargs})
         return [r for answer in answers if isinstance(answer, dict) for r in answer["results"]]
 

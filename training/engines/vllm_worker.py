@@ -1,4 +1,4 @@
-"""Runs inside the vLLM server's own environment (``--worker-extension-cls training.vllm_worker.WeightLoader``):
+"""Runs inside the vLLM server's own environment (``--worker-extension-cls training.engines.vllm_worker.WeightLoader``):
 imports nothing of the project, only torch and what vLLM hands it. The trainer imports the process-group helpers
 below as well (they need torch alone), so both ends of a collective weight transfer open their group the same way.
 

@@ -10,7 +10,7 @@ What a paid API needs:
 - at most ``concurrency`` requests in flight;
 - retries with exponential backoff (or the server's ``Retry-After``) on 429, 5xx, timeouts and dropped
   connections, counted in :attr:`ChatEngine.usage` (``retries``); a request that still fails is an
-  :class:`~training.vllm_engine.EngineError` that stops the evaluation, never a failed episode;
+  :class:`~training.engines.vllm_engine.EngineError` that stops the evaluation, never a failed episode;
 - the tokens the server reports (``usage``) summed per run, and the cost at a price per million tokens;
 - a response cache (``cache``: a JSONL file, one line per answer, flushed as each arrives) keyed by the model,
   the messages and the sampling settings; a sampled answer's key also holds its seed, derived from the
@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from training.engine import EngineError, SamplingParams
+from training.engines.engine import EngineError, SamplingParams
 
 #: statuses worth asking again: rate limits and the server's own failures
 RETRYABLE = {408, 409, 425, 429, 500, 502, 503, 504}

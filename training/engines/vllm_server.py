@@ -20,12 +20,12 @@ from pathlib import Path
 from envs.launcher import ROOT, PortTaken, free_port, wait_healthy
 from training.config import PolicyServerConfig
 from training.devices import replica_placement, resolve_device, training_ranks
-from training.engine import EngineError
+from training.engines.engine import EngineError
 
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"
-WORKER_EXTENSION = "training.vllm_worker.WeightLoader"
+WORKER_EXTENSION = "training.engines.vllm_worker.WeightLoader"
 PORT_ATTEMPTS = 3  # ports tried when another process takes the free one first (envs.launcher.PortTaken)
 
 

@@ -1,7 +1,7 @@
 """Keeping a vLLM server's weights those of the trainer: :class:`WeightSync`.
 
-A checkpoint folder is loaded in place (``POST /collective_rpc`` -> :mod:`training.vllm_worker`), or the weights are
-broadcast over a :class:`WeightChannel`; the prefix cache is dropped (its KV blocks were computed by the old
+A checkpoint folder is loaded in place (``POST /collective_rpc`` -> :mod:`training.engines.vllm_worker`), or the
+weights are broadcast over a :class:`WeightChannel`; the prefix cache is dropped (its KV blocks were computed by the old
 weights), and the server's log-probs of a fixed probe sequence are compared with the trainer's: a difference above
 the tolerance is an error, never a silent stale policy. Each sync is a :class:`WeightVersion` (global step, content
 hash of the weight files, seconds, probe difference).
@@ -26,9 +26,9 @@ import torch
 
 from envs.paths import scratch_dir
 from training.checkpoint import content_hash, sha256_file
-from training.engine import EngineError
-from training.vllm_engine import VLLMEngine
-from training.vllm_server import WORKER_EXTENSION
+from training.engines.engine import EngineError
+from training.engines.vllm_engine import VLLMEngine
+from training.engines.vllm_server import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class WeightChannel:
 
         import torch.distributed as dist
 
-        from training.vllm_worker import open_weight_group
+        from training.engines.vllm_worker import open_weight_group
 
         self.engine, self.backend, self.timeout_s, self.broken = engine, backend, timeout_s, ""
         try:
@@ -158,7 +158,7 @@ class WeightChannel:
 
     def send(self, state: dict[str, torch.Tensor]) -> None:
         """Broadcast ``state`` (name -> tensor, in a checkpoint's names) to the server; return once it is loaded."""
-        from training.vllm_worker import broadcast
+        from training.engines.vllm_worker import broadcast
 
         if self.broken:
             raise EngineError(f"the weight group with {self.engine.url} broke earlier ({self.broken}); restart "
