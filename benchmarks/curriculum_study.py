@@ -182,7 +182,7 @@ def base_model() -> Path:
 
 
 def stage_warm(params: dict[str, Any]) -> None:
-    from training.sft import SFTConfig, sft
+    from training.warmstart.sft import SFTConfig, sft
 
     warm = params["warm"]
     episodes = list(_items()["sft"].values())

@@ -114,7 +114,7 @@ def _prepare_textcraft() -> Path:
 
     from envs.splits import load_split
     from training.config import SFTConfig
-    from training.sft import expert_episodes, sft
+    from training.warmstart.sft import expert_episodes, sft
 
     if not Path("items.json").exists():
         train = load_split("textcraft", "train")

@@ -43,8 +43,8 @@ from envs.registry import load_backend
 from envs.splits import item_index
 from training.config import TrainConfig
 from training.evaluate import EvalResult, evaluate, paired_difference_ci
-from training.sft import SFTConfig, sft
 from training.trainer import train_phase
+from training.warmstart.sft import SFTConfig, sft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 

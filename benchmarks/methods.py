@@ -38,10 +38,10 @@ def main() -> None:
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL
     from training.config import SFTConfig
-    from training.dpo import DPOConfig, dpo, preference_pairs
     from training.evaluate import evaluate, paired_difference_ci
     from training.lora import LoraSettings
-    from training.rft import RFTConfig, rft, sample
+    from training.warmstart.dpo import DPOConfig, dpo, preference_pairs
+    from training.warmstart.rft import RFTConfig, rft, sample
 
     scratch = Path(tempfile.mkdtemp(prefix="methods-"))
     warm = build_bandit_warm_start(build_test_model(scratch / "tiny"), scratch / "sft")

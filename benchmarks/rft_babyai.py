@@ -48,7 +48,7 @@ def goto_h1_task() -> tuple[Path, list[str], list[str], int, None, dict[str, int
     from benchmarks import tiny_model
     from benchmarks.learning_babyai import solvable
     from envs.registry import load_backend
-    from training.sft import SFTConfig, sft
+    from training.warmstart.sft import SFTConfig, sft
 
     backend = load_backend("babyai")
     pool = [f"babyai_{i}" for i in range(2000, 50_000) if backend.sub_task(i) == "GoTo"]
@@ -95,7 +95,7 @@ def main() -> None:
     from training.checkpoint import read_manifest
     from training.config import SFTConfig
     from training.evaluate import evaluate, paired_difference_ci
-    from training.rft import RFTConfig, rft
+    from training.warmstart.rft import RFTConfig, rft
 
     tasks = {"study": study_task, "goto-h1": goto_h1_task, "study-h1": study_h1_task}
     warm, pool, held, h, before_items, turns = tasks[args.task]()

@@ -107,7 +107,7 @@ def stage_prep(args: argparse.Namespace) -> None:
     from training.chat_format import ChatFormat, opening_messages
     from training.data import DataStream
     from training.model import load_policy
-    from training.sft import SFTConfig, sft
+    from training.warmstart.sft import SFTConfig, sft
 
     items_file = RUNS / "items.json"
     if not items_file.exists():

@@ -1,5 +1,5 @@
 """The warm-start commands: ``warm-stage`` (one stage of a curriculum, as its DVC stage runs it) and ``sft``,
-``rft`` and ``dpo`` (one stage of the settings given), all through :func:`training.methods.run_warm_stage`.
+``rft`` and ``dpo`` (one stage of the settings given), all through :func:`training.warmstart.methods.run_warm_stage`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def warm_stage_cmd(
 
     from envs.paths import project_root
     from training.config import ConfigError, load_params, server_config
-    from training.methods import run_warm_stage
     from training.specs import warm_spec
+    from training.warmstart.methods import run_warm_stage
 
     check_env(env)
     root = project_root()
@@ -56,13 +56,13 @@ def warm_stage_cmd(
 def _warm_command(env: str, method: str, init: str | None, out: str, device: str, url: str | None = None,
                   **settings: object) -> list:
     """The CLI's warm-start commands: ``settings`` (None: the stage's default) as a warm-start stage of ``method``,
-    run by the pipeline's own :func:`training.methods.run_warm_stage` into the stage folder ``out``; returns the
-    checkpoints it wrote."""
+    run by the pipeline's own :func:`training.warmstart.methods.run_warm_stage` into the stage folder ``out``;
+    returns the checkpoints it wrote."""
     from pathlib import Path
 
     from training.config import base_model_dir, load_params, server_config
-    from training.methods import run_warm_stage
     from training.warm import parse_stage, stage_checkpoints
+    from training.warmstart.methods import run_warm_stage
 
     check_env(env)
     device_here(device)

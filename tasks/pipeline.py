@@ -184,7 +184,7 @@ def gate_phase(env: str, index: int, url: str, policy_url: str | None = None) ->
 def run_warm_stage(env: str, index: int, url: str) -> dict:
     """Run (or skip, if up to date) warm-start stage ``index`` (sft, rft or dpo before the RL phases) as its DVC
     stage, against the provisioned environment server."""
-    from training.methods import run_warm_stage as run_one
+    from training.warmstart.methods import run_warm_stage as run_one
 
     stage = f"{env}_warm_{index}"
 

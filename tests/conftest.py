@@ -120,7 +120,7 @@ def bandit_conversation(arm: str) -> list[dict[str, str]]:
 
 def build_bandit_warm_start(tiny_model: Path, out: Path) -> Path:
     """The tiny model after SFT on as many 'left' as 'right' replies: it picks either, about evenly."""
-    from training.sft import SFTConfig, sft
+    from training.warmstart.sft import SFTConfig, sft
 
     return sft(tiny_model, out, [bandit_conversation("left"), bandit_conversation("right")] * 8,
                SFTConfig(epochs=30, lr=2e-3, batch_size=8))

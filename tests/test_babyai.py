@@ -353,7 +353,7 @@ def test_the_sighted_expert_plays_goto_in_high_level_actions_and_sft_keeps_only_
     from envs.corpus import played_episode
     from envs.local import local_client
     from envs.registry import expert
-    from training.sft import expert_episodes
+    from training.warmstart.sft import expert_episodes
 
     goto = [r["item_id"] for r in load_split("babyai", "warm") if r["sub_task"] == "GoTo"][:30]
     client = local_client("babyai")

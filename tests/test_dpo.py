@@ -13,11 +13,11 @@ import pytest
 from envs.launcher import ROOT
 from training.checkpoint import folder_hash, read_manifest
 from training.devices import resolve_device
-from training.dpo import DPOConfig, dpo, margins, preference_pairs
 from training.evaluate import evaluate
 from training.model import load_policy
-from training.rft import RFTConfig, sample
 from training.trajectory import Trajectory
+from training.warmstart.dpo import DPOConfig, dpo, margins, preference_pairs
+from training.warmstart.rft import RFTConfig, sample
 
 TRAIN, HELD_OUT = [f"bandit_{i}" for i in range(8)], [f"bandit_{i}" for i in range(40, 48)]
 

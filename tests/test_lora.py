@@ -12,7 +12,7 @@ from training.checkpoint import read_manifest
 from training.config import SFTConfig
 from training.lora import LoraSettings, trainable, with_lora
 from training.model import load_policy
-from training.sft import sft
+from training.warmstart.sft import sft
 
 
 def test_only_the_adapters_train_and_bad_targets_are_named(tiny_model_dir) -> None:

@@ -126,7 +126,7 @@ def test_a_killed_parent_takes_its_env_server_along(tmp_path) -> None:
 def test_sft_leaves_out_over_long_episodes_with_a_count(tiny_model_dir, tmp_path) -> None:
     from training.checkpoint import read_manifest
     from training.config import SFTConfig
-    from training.sft import sft
+    from training.warmstart.sft import sft
 
     def episode(turns: int) -> list[dict[str, str]]:
         messages = [{"role": "user", "content": "go to the red ball"}, {"role": "assistant", "content": "OK"},

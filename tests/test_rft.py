@@ -15,9 +15,9 @@ from envs.launcher import ROOT
 from training.checkpoint import checkpoint_hash, folder_hash, read_manifest
 from training.config import SFTConfig
 from training.evaluate import evaluate
-from training.rft import RFTConfig, rft, select
 from training.store import read_episodes, training_conversation
 from training.trajectory import Trajectory
+from training.warmstart.rft import RFTConfig, rft, select
 
 TRAIN, HELD_OUT = [f"bandit_{i}" for i in range(8)], [f"bandit_{i}" for i in range(40, 56)]
 
@@ -80,8 +80,8 @@ def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(e
                                                                                tmp_path) -> None:
     from training.chat_format import ChatFormat
     from training.model import load_policy
-    from training.rft import sample
     from training.store import recorded_trajectory
+    from training.warmstart.rft import sample
 
     _, tokenizer = load_policy(bandit_warm_start)
     chat = ChatFormat(tokenizer)
@@ -99,8 +99,8 @@ def test_a_record_keeps_its_sampled_tokens_and_another_tokenizer_re_encodes_it(e
 
 def test_sampling_with_the_prefix_cache_gives_the_same_episodes_and_skips_the_repeated_prefill(
         env_server, tiny_model_dir) -> None:
-    from training.rft import sample
-    from training.sft import sft_items
+    from training.warmstart.rft import sample
+    from training.warmstart.sft import sft_items
 
     items, url = sft_items("babyai", 3), env_server("babyai")
 
@@ -135,8 +135,8 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
     assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
     assert manifest["recorded_token_ids"] == len(records)  # trained on the very tokens sampled, not re-encoded
     # a warm-start stage of the pipeline can train on the same records (`recorded:` in params.yaml)
-    from training.methods import run_warm_stage
     from training.warm import parse_stage
+    from training.warmstart.methods import run_warm_stage
 
     stage = parse_stage({"method": "sft", "recorded": [str(tmp_path / "rft" / "round-0.jsonl")], "epochs": 1})
     warm = read_manifest(run_warm_stage("bandit", 0, stage, bandit_warm_start, tmp_path / "warm"))

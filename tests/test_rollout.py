@@ -287,7 +287,7 @@ def test_encoded_texts_are_kept_the_most_recent_and_give_the_tokenizers_ids(tiny
 def test_sft_tokenises_an_episode_exactly_as_the_rollout_does(env_server, tiny_policy) -> None:
     """One prompt builder and one turn layout: an expert episode fed to SFT gives the very ids and loss mask of
     the same episode rolled out through the server (so SFT trains on what RL will sample from)."""
-    from training.sft import to_trajectory
+    from training.warmstart.sft import to_trajectory
 
     tokenizer = tiny_policy[1]
     chat = ChatFormat(tokenizer)

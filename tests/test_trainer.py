@@ -114,7 +114,7 @@ def test_a_corrupted_base_model_is_refused_by_training_sft_and_evaluation(env_se
     import shutil
 
     from training.evaluate import evaluate
-    from training.sft import SFTConfig, sft
+    from training.warmstart.sft import SFTConfig, sft
 
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)

@@ -19,8 +19,8 @@ from flows.dvc_pipeline import BASE, render
 from training.checkpoint import read_manifest
 from training.config import ConfigError, curriculum_config, load_params
 from training.devices import DeviceError
-from training.methods import run_warm_stage
 from training.warm import RFTStage, checkpoint_of, parse_stage
+from training.warmstart.methods import run_warm_stage
 
 #: SFT on 4 items the expert solves in two turns, then two rounds of rejection sampling and DPO on the same items
 #: (the tiny policy replays what it learnt well enough that some of its samples succeed and some fail: measured
@@ -148,7 +148,7 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
 def test_sft_batches_by_length_pad_less_and_see_every_episode_once_an_epoch() -> None:
     import random
 
-    from training.sft import epoch_batches
+    from training.warmstart.sft import epoch_batches
 
     draw = random.Random(7)
     lengths = [draw.randrange(100, 2000) for _ in range(203)]

@@ -140,7 +140,8 @@ class CurriculumConfig(BaseModel):
     fixed_h: int | None = Field(None, ge=1, description="turn cap of the fixed baseline")
     adaptive: AdaptiveRule = Field(AdaptiveRule(), description="mode adaptive: when h advances before its phase ends")
     warm_start: list[WarmStage] = Field(default_factory=list, description="phases of other types (sft, rft, dpo) "
-                                        "before the first RL phase, in order, each from the last (training.warm)")
+                                        "before the first RL phase, in order, each from the last "
+                                        "(training.warm)")
 
     @model_validator(mode="after")
     def _one_form(self) -> CurriculumConfig:

@@ -48,8 +48,8 @@ from training.specs import EvalSpec, eval_spec, read_promotion
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
                 ) -> dict[str, Path]:
     """``{"base": models/<preset>, "warm-0-sft": .../final, "phase-0": .../final, ...}``: every checkpoint of the
-    run, in order: the base model, each warm-start stage's (training.warm), each phase's (of the fixed-h baseline
-    run when ``baseline`` is its h)."""
+    run, in order: the base model, each warm-start stage's (training.warm), each phase's (of the
+    fixed-h baseline run when ``baseline`` is its h)."""
     from training.warm import checkpoint_of, pipeline_stages
 
     root = root or project_root()

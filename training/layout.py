@@ -54,7 +54,8 @@ class Run:
         return self.root / RUNS / self.name
 
     def warm(self, index: int) -> Path:
-        """The folder of warm-start stage ``index`` (training.warm): its checkpoint(s) and its training episodes."""
+        """The folder of warm-start stage ``index`` (training.warm): its checkpoint(s) and its training
+        episodes."""
         return self.dir / f"warm-{index}"
 
     def phase(self, index: int) -> Path:

@@ -81,8 +81,9 @@ def _warm_summary(method: str, manifests: list[dict[str, Any]]) -> str:
 
 def _warm_records(env: str, stages: dict[str, Any], root: Path, expected_parent: str | None
                   ) -> tuple[list[PhaseRecord], list[str], str | None]:
-    """The warm-start stages (training.warm) as records, checked against dvc.lock: their settings, their kind and
-    their chain of parents (an RFT run's rounds each from the last); returns the last checkpoint's hash."""
+    """The warm-start stages (training.warm) as records, checked against dvc.lock: their settings,
+    their kind and their chain of parents (an RFT run's rounds each from the last); returns the last checkpoint's
+    hash."""
     names = sorted((s for s in stages if s.startswith(f"{env}_warm_")), key=lambda s: int(s.rsplit("_", 1)[1]))
     records, problems = [], []
     for name in names:

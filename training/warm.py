@@ -11,7 +11,7 @@ Stage ``k`` writes ``runs/<env>/warm-<k>/``: the checkpoint (``final/``, or an R
 the last being its checkpoint), the episodes it trained on in the rollout log's JSONL record (``episodes.jsonl``,
 ``round-<r>.jsonl``, ``final.pairs.jsonl``), and the stage's settings in each manifest (``warm_start``), which
 the lineage compares with dvc.lock. ``lora_r`` > 0 trains LoRA adapters of that rank (merged on export).
-:func:`training.methods.run_warm_stage` runs a stage; this module holds only its settings (what params.yaml
+:func:`training.warmstart.methods.run_warm_stage` runs a stage; this module holds only its settings (what params.yaml
 and the curriculum read).
 """
 

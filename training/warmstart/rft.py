@@ -28,9 +28,9 @@ from training.devices import resolve_device
 from training.model import load_policy
 from training.rollout import Rollout, RolloutConfig
 from training.sampler import build_sampler
-from training.sft import sft
 from training.trajectory import Trajectory
 from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
+from training.warmstart.sft import sft
 
 log = logging.getLogger(__name__)
 

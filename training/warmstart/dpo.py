@@ -28,8 +28,8 @@ from training.experience import collate
 from training.lora import LoraSettings, with_lora
 from training.losses import token_logprobs
 from training.model import load_policy
-from training.sft import save_policy
 from training.trajectory import Trajectory
+from training.warmstart.sft import save_policy
 
 
 class DPOConfig(BaseModel):
