@@ -133,13 +133,14 @@ def test_observation_is_an_accessibility_tree_and_bad_actions_are_explained(env_
 @browser
 @pytest.mark.browser
 def test_episodes_are_isolated_and_the_context_pool_is_bounded() -> None:
+    from envs.urls import ServerUrls
     from training.trainer import CapacityConfigError, check_capacity
 
     with running_server("webarena", max_contexts=3) as url:
         assert httpx.get(f"{url}/health").json()["capacity"] == 3
-        check_capacity(url, 3)
+        check_capacity(ServerUrls.parse(url, ["webarena"]), 3)
         with pytest.raises(CapacityConfigError, match="batch_items x n_samples = 4"):
-            check_capacity(url, 4)  # the trainer refuses before rolling anything out
+            check_capacity(ServerUrls.parse(url, ["webarena"]), 4)  # the trainer refuses before any rollout
         clients = [Client(url) for _ in range(3)]
         task = next(i for i, t in enumerate(TASKS) if t["intent"].startswith("Add the Echo Studio"))
 

@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -414,11 +414,11 @@ def train_phase(env: str, phase: int, h: int, steps: int, init_checkpoint: Path 
     urls = ServerUrls.parse(url, envs)
     if config.rollout_mode == "lockstep":  # asynchronous rollouts admit trajectories as instances free instead
         if len(envs) == 1:
-            check_capacity(urls.replicas(), config.batch_items * config.n_samples)
+            check_capacity(urls, config.batch_items * config.n_samples)
         else:  # each environment's servers hold that environment's share of a step
             counts = allocation({e: s.weight for e, s in shares(envs, config).items()}, config.batch_items)
             for e in envs:
-                check_capacity(urls.replicas(e), counts[e] * config.n_samples)
+                check_capacity(urls, counts[e] * config.n_samples, e)
     while True:  # each collapse-guard trip rolls back and builds the trainer again from the checkpoint kept
         trainer = PhaseTrainer(env, phase, h, steps, init_checkpoint, out_dir, config, urls, adaptive, policy_url,
                                policy_server)
@@ -432,12 +432,12 @@ class CapacityConfigError(ValueError):
     """A training step needs more live episodes than the environment server can hold."""
 
 
-def check_capacity(replicas: Sequence[str], live: int) -> None:
-    """Fail before training when one step's ``live`` episodes exceed the servers' simulator/browser pools (one
-    server, or replicas whose capacities add up)."""
+def check_capacity(urls: ServerUrls, live: int, env: str | None = None) -> None:
+    """Fail before training when one step's ``live`` episodes exceed the simulator/browser pools of ``env``'s
+    servers (default: the run's one environment; one server, or replicas whose capacities add up)."""
     from envs.client import server_capacity
 
-    capacities = [server_capacity(u) for u in replicas]
+    capacities = [server_capacity(u) for u in urls.replicas(env)]
     capacity = None if any(c is None for c in capacities) else sum(c for c in capacities if c)
     if capacity and live > capacity:
         raise CapacityConfigError(f"one step rolls out batch_items x n_samples = {live} episodes at once, but the "
