@@ -44,7 +44,7 @@ def main() -> None:
     from envs.splits import load_split
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL, STEPS, bandit_config
-    from training.evaluate import evaluate, paired_difference_ci
+    from training.evaluation.evaluate import evaluate, paired_difference_ci
     from training.trainer import train_phase
 
     steps = args.steps or STEPS

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from training.evaluate import bootstrap_ci, paired_difference_ci
+from training.evaluation.evaluate import bootstrap_ci, paired_difference_ci
 
 ORDER = ["fixed-2", "fixed-20", "scaling", "adaptive"]
 LABELS = {"fixed-2": "fixed h=2", "fixed-20": "fixed h=20 (the cap)", "scaling": "ScalingInter 2/6/10",

@@ -5,6 +5,7 @@ experiment of its own workspace, resumable at every level.
     python benchmarks/curriculum_study.py run [--seeds 0,1]  # every arm x seed not done yet, one DVC experiment each
     python benchmarks/curriculum_study.py report             # docs/curriculum-study.md from the finished arms
     python benchmarks/curriculum_study.py status             # what is done, what is left
+    python benchmarks/curriculum_study.py --study v2 run --arms fixed-10 --seeds 0   # issue 46's redone study
 
 The workspace (``--workspace``, default runs/curriculum-study) is a git + DVC project of its own, written here:
 its params.yaml holds the task, the warm start, the trainer settings and the arm; its dvc.yaml the stages
@@ -64,6 +65,37 @@ ARMS: dict[str, dict[str, Any]] = {  # run in this order, per seed: the costly f
     "adaptive": {"schedule": [[2, 8], [6, 8], [10, 8]], "adaptive": True},
     "fixed-20": {"schedule": [[20, 24]], "adaptive": False},
 }
+#: Issue 46's redone study (docs/study-plan.md): the arms at 150 matched steps with the positive control's recipe
+#: (per-trajectory mean loss, lr 5e-5), a fixed arm at the evaluation cap (10), one context budget (4,096) for every
+#: arm so that the fixed h = 20 arm is really h = 20, 1,600 held-out items greedy and sampled at T = 1, and a
+#: curve from the checkpoints every 25 steps on 400 of them. ``model.base``: the policy the warm start tunes (a
+#: model folder, e.g. SmolLM2-135M's from `scalinginter build-model --preset smollm2-135m`; null: models/tiny).
+PARAMS_V2: dict[str, Any] = {
+    "task": {"max_expert_turns": 4, "sft_items": 1200, "eval_items": 1600, "curve_items": 400},
+    "model": {"base": None},
+    "warm": {"epochs": 2, "lr": 1.0e-3, "batch_size": 8},
+    "pilot": {"caps": [1, 2, 4, 8, 20], "items": 200},
+    "train": {"batch_items": 8, "n_samples": 4, "lr": 5.0e-5, "loss_agg": "seq-mean-token-mean",
+              "max_new_tokens": 24, "temperature": 1.0, "mini_batch_size": 32, "micro_batch_size": 16,
+              "save_every": 25, "keep_checkpoints": 8, "kl_coef": 0.001, "context_budget": 4096,
+              "guard": {"enabled": False}},
+    "eval": {"h": 10, "batch_items": 50, "curve_items": 400, "sampled": True, "sample_seed": 0},
+    "arm": {"name": "fixed-2", "schedule": [[2, 150]], "adaptive": False, "seed": 0},
+}
+ARMS_V2: dict[str, dict[str, Any]] = {  # docs/study-plan.md's order: the shape shows in seed 0's first four
+    "fixed-2": {"schedule": [[2, 150]], "adaptive": False},
+    "fixed-10": {"schedule": [[10, 150]], "adaptive": False},
+    "fixed-20": {"schedule": [[20, 150]], "adaptive": False},
+    "scaling": {"schedule": [[2, 50], [10, 50], [20, 50]], "adaptive": False},
+    "adaptive": {"schedule": [[2, 50], [10, 50], [20, 50]], "adaptive": True},
+}
+#: each version of the study: its settings, arms, workspace and the folder its figures are committed to
+STUDIES: dict[str, dict[str, Any]] = {
+    "v1": {"params": PARAMS, "arms": ARMS, "workspace": ROOT / "runs" / "curriculum-study", "docs": DOCS},
+    "v2": {"params": PARAMS_V2, "arms": ARMS_V2, "workspace": ROOT / "runs" / "curriculum-study-v2",
+           "docs": ROOT / "docs" / "curriculum-study-v2"},
+}
+
 #: the study's environment servers keep idle instances this long: it trains and evaluates at low priority beside
 #: other work, where one batched generation turn can take longer than the default 600 s (the fixed h=20 arm's
 #: evaluation lost 29 instances that way, and refused its biased result)
@@ -173,12 +205,12 @@ def _items() -> dict[str, Any]:
     return json.loads(Path("items.json").read_text())
 
 
-def base_model() -> Path:
-    """The tiny policy the warm start fine-tunes: SCALINGINTER_STUDY_BASE, else the project's models/tiny (built
-    when a fresh clone has none)."""
+def base_model(params: dict[str, Any] | None = None) -> Path:
+    """The policy the warm start fine-tunes: the workspace's ``model.base`` (v2), else SCALINGINTER_STUDY_BASE,
+    else the project's models/tiny (built when a fresh clone has none)."""
     from benchmarks import tiny_model
 
-    return tiny_model(os.environ.get("SCALINGINTER_STUDY_BASE"))
+    return tiny_model((params or {}).get("model", {}).get("base") or os.environ.get("SCALINGINTER_STUDY_BASE"))
 
 
 def stage_warm(params: dict[str, Any]) -> None:
@@ -188,7 +220,7 @@ def stage_warm(params: dict[str, Any]) -> None:
     episodes = list(_items()["sft"].values())
     if Path("warm").exists():
         shutil.rmtree("warm")
-    sft(base_model(), Path("warm"), episodes,
+    sft(base_model(params), Path("warm"), episodes,
         SFTConfig(epochs=warm["epochs"], lr=warm["lr"], batch_size=warm["batch_size"]), progress=True)
 
 
@@ -198,7 +230,7 @@ def _eval_summary(result: Any, items: list[str], expert_turns: dict[str, int]) -
 
     part = {i: result.success[i] for i in items}
     flat = [float(v[0]) for v in part.values()]
-    from training.evaluate import bootstrap_ci
+    from training.evaluation.evaluate import bootstrap_ci
 
     low, high = bootstrap_ci(flat)
     buckets: dict[str, float] = {}
@@ -217,7 +249,7 @@ def stage_pilot(params: dict[str, Any]) -> None:
     is kept in pilot/ as it is done, so a killed pilot goes on with the next cap."""
     from envs.launcher import running_server
     from training.checkpoint import folder_hash
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
 
     data = _items()
     expert_turns = {k: int(v) for k, v in data["held_out_expert_turns"].items()}
@@ -249,17 +281,38 @@ def stage_pilot(params: dict[str, Any]) -> None:
 def stage_warm_eval(params: dict[str, Any]) -> None:
     """The warm start, greedy at eval.h on every held-out item: the arms' common baseline."""
     from envs.launcher import running_server
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
 
     data = _items()
     held, expert_turns = data["held_out"], {k: int(v) for k, v in data["held_out_expert_turns"].items()}
     with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         result = evaluate(Path("warm"), "babyai", url, held, h=params["eval"]["h"],
-                          max_new_tokens=params["train"]["max_new_tokens"], batch_items=params["eval"]["batch_items"])
-    out: dict[str, Any] = {"held_out": _eval_summary(result, held, expert_turns)}
-    out["held_out"]["generated_tokens"] = result.generated_tokens
-    out["success"] = out["held_out"]["success"]
+                          max_new_tokens=params["train"]["max_new_tokens"], batch_items=params["eval"]["batch_items"],
+                          **_budget(params))
+        out: dict[str, Any] = {"held_out": _eval_summary(result, held, expert_turns)}
+        out["held_out"]["generated_tokens"] = result.generated_tokens
+        out["success"] = out["held_out"]["success"]
+        if params["eval"].get("sampled"):  # v2: one sample per item at temperature 1 beside greedy
+            out["sampled"] = _sampled(Path("warm"), url, held, expert_turns, params)
     _write_json(Path("warm_eval.json"), out)
+
+
+def _sampled(checkpoint: Path, url: str, items: list[str], expert_turns: dict[str, int],
+             params: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` on ``items``, one sample each at temperature 1 (a fixed seed), at eval.h."""
+    from training.evaluation.evaluate import evaluate
+
+    ev = params["eval"]
+    result = evaluate(checkpoint, "babyai", url, items, h=ev["h"], k=1, temperature=1.0,
+                      seed=ev.get("sample_seed", 0), max_new_tokens=params["train"]["max_new_tokens"],
+                      batch_items=ev["batch_items"], **_budget(params))
+    return _eval_summary(result, items, expert_turns)
+
+
+def _budget(params: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation's context budget: training's, where the study sets one (v2), else the evaluator's default."""
+    budget = params["train"].get("context_budget")
+    return {"context_budget": budget} if budget else {}
 
 
 def _arm_dir(params: dict[str, Any]) -> Path:
@@ -291,6 +344,10 @@ def stage_train(params: dict[str, Any]) -> None:
         for part in ("final", "final-state", "dvclive"):  # final-state: the manifest lists its files
             if (scratch / f"phase-{index}" / part).exists():
                 shutil.copytree(scratch / f"phase-{index}" / part, phases_dir / f"phase-{index}" / part)
+        if params["eval"].get("sampled"):  # v2: the checkpoints every save_every steps, the curve's points
+            for folder in sorted((scratch / f"phase-{index}" / "intermediate").glob("step-*")):
+                shutil.copytree(folder, phases_dir / f"phase-{index}" / "curve" / folder.name,
+                                ignore=shutil.ignore_patterns("logs"))
     cumulative = 0
     for index in range(len(arm["schedule"])):
         folder = phases_dir / f"phase-{index}"
@@ -331,7 +388,7 @@ def stage_eval(params: dict[str, Any]) -> None:
     """The arm's final policy on every held-out item, and each phase's final (the curve) on the first
     ``curve_items``, greedily at eval.h."""
     from envs.launcher import running_server
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
 
     data = _items()
     held, expert_turns = data["held_out"], {k: int(v) for k, v in data["held_out_expert_turns"].items()}
@@ -341,18 +398,26 @@ def stage_eval(params: dict[str, Any]) -> None:
     out: dict[str, Any] = {"curve": []}
     kwargs: dict[str, Any] = {"h": ev["h"], "max_new_tokens": params["train"]["max_new_tokens"],
                               "batch_items": ev["batch_items"]}
+    kwargs |= _budget(params)
+    curve = held[: ev.get("curve_items", params["task"]["curve_items"])]
     with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
-        for index in range(n - 1):  # the last phase's final is the full evaluation below
-            final = phases_dir / f"phase-{index}" / "final"
-            items = held[: ev.get("curve_items", params["task"]["curve_items"])]
-            result = evaluate(final, "babyai", url, items, **kwargs)
-            manifest = json.loads((final / "manifest.json").read_text())
-            out["curve"].append({"phase": index, "global_step": manifest.get("global_step"),
-                                 "success": sum(result.success[i][0] for i in items) / len(items),
-                                 "items": len(items)})
-        result = evaluate(phases_dir / f"phase-{n - 1}" / "final", "babyai", url, held, **kwargs)
-    out["held_out"] = _eval_summary(result, held, expert_turns)
-    out["success"] = out["held_out"]["success"]
+        for index in range(n):  # v1: each phase's final but the last; v2: every kept checkpoint too
+            folder = phases_dir / f"phase-{index}"
+            points = sorted((folder / "curve").glob("step-*")) if ev.get("sampled") else []
+            if index < n - 1:
+                points.append(folder / "final")
+            for checkpoint in points:
+                result = evaluate(checkpoint, "babyai", url, curve, **kwargs)
+                manifest = json.loads((checkpoint / "manifest.json").read_text())
+                out["curve"].append({"phase": index, "global_step": manifest.get("global_step"),
+                                     "success": sum(result.success[i][0] for i in curve) / len(curve),
+                                     "items": len(curve)})
+        last = phases_dir / f"phase-{n - 1}" / "final"
+        result = evaluate(last, "babyai", url, held, **kwargs)
+        out["held_out"] = _eval_summary(result, held, expert_turns)
+        out["success"] = out["held_out"]["success"]
+        if ev.get("sampled"):
+            out["sampled"] = _sampled(last, url, held, expert_turns, params)
     _write_json(_arm_dir(params) / "eval.json", out)
 
 
@@ -407,12 +472,12 @@ def _warm(workspace: Path) -> dict[str, Any]:
             "by_cap": json.loads((workspace / "pilot.json").read_text())["by_cap"]}
 
 
-def pilot(workspace: Path) -> None:
-    init_workspace(workspace)
+def pilot(workspace: Path, params: dict[str, Any] | None = None, docs: Path = DOCS) -> None:
+    init_workspace(workspace, params)
     if _dvc(workspace, "repro", "pilot", "warm_eval") != 0:
         raise SystemExit("the pilot failed (rerun to resume)")
     data = _warm(workspace)
-    _write_json(DOCS / "warm.json", data)
+    _write_json(docs / "warm.json", data)
     print(json.dumps({h: {k: v for k, v in s.items() if k != "per_item"} for h, s in data["by_cap"].items()},
                      indent=1))
 
@@ -421,10 +486,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["pilot", "run", "report", "status", "stage"])
     parser.add_argument("stage", nargs="?", help="(stage) items | warm | pilot | warm_eval | train | eval")
-    parser.add_argument("--workspace", type=Path, default=ROOT / "runs" / "curriculum-study")
-    parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--study", choices=sorted(STUDIES), default="v1",
+                        help="v1: issue 18's study (4 arms x 24 steps, 500 items); v2: issue 46's (docs/study-plan.md)")
+    parser.add_argument("--workspace", type=Path, default=None, help="default: the study's own (runs/...)")
+    parser.add_argument("--seeds", default=None, help="default: v1 0,1; v2 0,1,2")
+    parser.add_argument("--arms", default=None, help="default: every arm of the study, in its order")
     args = parser.parse_args()
+    study = STUDIES[args.study]
+    args.workspace = args.workspace or study["workspace"]
+    args.seeds = args.seeds or ("0,1,2" if args.study == "v2" else "0,1")
+    args.arms = args.arms or ",".join(study["arms"])
     sys.path.insert(0, str(ROOT))
     if args.command == "stage":
         import torch
@@ -435,15 +506,24 @@ def main() -> None:
          "train": stage_train,
          "eval": stage_eval}[args.stage](_params())
     elif args.command == "pilot":
-        pilot(args.workspace)
+        pilot(args.workspace, study["params"], study["docs"])
     elif args.command == "run":
-        run(args.workspace, [int(s) for s in args.seeds.split(",")], args.arms.split(","))
+        unknown = [a for a in args.arms.split(",") if a not in study["arms"]]
+        if unknown:
+            raise SystemExit(f"no arm {', '.join(unknown)} in study {args.study}: choose from "
+                             f"{', '.join(study['arms'])}")
+        run(args.workspace, [int(s) for s in args.seeds.split(",")], args.arms.split(","), docs=study["docs"],
+            params=study["params"], specs=study["arms"])
     elif args.command == "report":
         from benchmarks.curriculum_report import write_report
 
+        if args.study != "v1":
+            raise SystemExit(f"study {args.study} has no report page yet: its figures are the JSONs in "
+                             f"{study['docs']} (one per finished arm and seed)")
+
         write_report(DOCS)
     else:
-        done = sorted(p.stem for p in DOCS.glob("*-s*.json"))
+        done = sorted(p.stem for p in study["docs"].glob("*-s*.json"))
         print(f"done: {', '.join(done) or 'none'}")
 
 

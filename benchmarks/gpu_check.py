@@ -55,7 +55,7 @@ def main() -> None:
 
     from training.devices import autocast, resolve_device
     from training.engines.engine import HFEngine, SamplingParams
-    from training.losses import actor_loss, policy_forward
+    from training.rl.losses import actor_loss, policy_forward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto")

@@ -158,7 +158,7 @@ def _reshuffled_backend(variant: int) -> Any:
 
 
 def _evaluate(model: Path, url: str, items: list[str], h: int, temperature: float) -> list[float]:
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
 
     result = evaluate(model, ENV, url, items, h=h, temperature=temperature, seed=1234,
                       max_new_tokens=BASE["max_new_tokens"], batch_items=50, context_budget=BASE.get(

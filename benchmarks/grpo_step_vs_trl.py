@@ -56,7 +56,7 @@ def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    import training.update as update_module
+    import training.rl.update as update_module
     from envs.launcher import running_server
     from training.config import TrainConfig
     from training.trainer import PhaseTrainer

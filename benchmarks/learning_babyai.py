@@ -42,7 +42,7 @@ from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
 from envs.splits import item_index
 from training.config import TrainConfig
-from training.evaluate import EvalResult, evaluate, paired_difference_ci
+from training.evaluation.evaluate import EvalResult, evaluate, paired_difference_ci
 from training.trainer import train_phase
 from training.warmstart.sft import SFTConfig, sft
 

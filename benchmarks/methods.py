@@ -38,7 +38,7 @@ def main() -> None:
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL
     from training.config import SFTConfig
-    from training.evaluate import evaluate, paired_difference_ci
+    from training.evaluation.evaluate import evaluate, paired_difference_ci
     from training.lora import LoraSettings
     from training.warmstart.dpo import DPOConfig, dpo, preference_pairs
     from training.warmstart.rft import RFTConfig, rft, sample

@@ -63,7 +63,7 @@ def main() -> None:
 
     from envs.launcher import running_replicas
     from envs.splits import load_split
-    from training.rollout import Rollout, RolloutConfig
+    from training.rollouts.rollout import Rollout, RolloutConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="babyai", choices=sorted(REPLIES))
@@ -150,7 +150,7 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     from training.engines.vllm_engine import VLLMEngine
     from training.engines.vllm_server import running_vllm
     from training.model import load_policy
-    from training.rollout import Rollout, RolloutConfig
+    from training.rollouts.rollout import Rollout, RolloutConfig
 
     model_dir = tiny_model()
     _, tokenizer = load_policy(model_dir)

@@ -94,7 +94,7 @@ def main() -> None:
     from envs.launcher import running_server
     from training.checkpoint import read_manifest
     from training.config import SFTConfig
-    from training.evaluate import evaluate, paired_difference_ci
+    from training.evaluation.evaluate import evaluate, paired_difference_ci
     from training.warmstart.rft import RFTConfig, rft
 
     tasks = {"study": study_task, "goto-h1": goto_h1_task, "study-h1": study_h1_task}

@@ -21,7 +21,7 @@ from envs.launcher import running_server
 from envs.splits import load_split
 from training.engines.engine import HFEngine, SamplingParams
 from training.model import load_policy
-from training.rollout import Rollout, RolloutConfig
+from training.rollouts.rollout import Rollout, RolloutConfig
 from training.warm import PREFIX_CACHE_GB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from training.advantages import masked_mean
 from training.devices import autocast
-from training.losses import actor_loss, policy_forward, token_logprobs
 from training.model import load_policy
+from training.rl.advantages import masked_mean
+from training.rl.losses import actor_loss, policy_forward, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 

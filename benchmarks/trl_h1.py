@@ -250,7 +250,7 @@ def stage_trl(args: argparse.Namespace) -> None:
 
 def stage_eval(args: argparse.Namespace) -> None:
     from envs.launcher import running_server
-    from training.evaluate import evaluate, paired_difference_ci
+    from training.evaluation.evaluate import evaluate, paired_difference_ci
 
     data = json.loads((RUNS / "items.json").read_text())
     held = data["held_out"]

@@ -5,7 +5,7 @@ test items are a seeded sample of the index space stratified by sub-task (so eve
 test set in proportion), the training items a seeded sample of ``n_train`` of the rest. Sizes follow AgentGym
 where known (BabyAI 810/90, TextCraft 374/100, SciWorld 2120/200).
 
-The gate items (``gate.json``, the promotion gates' own held-out items, ``training.gate``) are up to
+The gate items (``gate.json``, the promotion gates' own held-out items, ``training.evaluation.gate``) are up to
 :data:`GATE_ITEMS` items that neither split holds, stratified the same way: those the environment has beyond
 its train and test items, or, where the split's index space is set here (BabyAI's generated levels), the
 indices after it. An environment with no item to spare (WebArena's 33 tasks) has an empty gate split.

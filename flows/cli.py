@@ -285,7 +285,7 @@ def gate_cmd(
     gate items; writes runs/ENV/gate-PHASE/promotion.json (what the next phase starts from) and summary.json.
     Settings: params.yaml ``gate.<profile>`` (margin, rule, on_reject ...) and ``eval.<profile>`` (how it samples)."""
     from training.config import ConfigError
-    from training.gate import describe, run_gate
+    from training.evaluation.gate import describe, run_gate
 
     check_env(env)
     try:

@@ -15,7 +15,7 @@ def lineage(env: EnvArg) -> None:
     from rich.table import Table
 
     from envs.paths import project_root
-    from training.lineage import lineage as read_lineage
+    from training.evaluation.lineage import lineage as read_lineage
 
     try:
         records, problems, revision = read_lineage(env, project_root())
@@ -39,7 +39,7 @@ def lineage(env: EnvArg) -> None:
                       "-" if wall is None else f"{float(wall):.0f}", r.trained)
     console.print(table)
     from training.config import ConfigError
-    from training.gate import run_result
+    from training.evaluation.gate import run_result
 
     try:
         result = run_result(env, project_root())
@@ -94,7 +94,7 @@ def eval_cmd(
     from rich.table import Table
 
     from training.config import ConfigError
-    from training.eval_stage import run_eval
+    from training.evaluation.eval_stage import run_eval
     from training.layout import Run
 
     check_env(env)
@@ -141,8 +141,8 @@ def eval_outside_cmd(
 
     from training.config import ConfigError, base_model_dir, load_params
     from training.engines.engine import EngineError
-    from training.eval_stage import run_outside_eval
-    from training.evaluate import ChatSettings
+    from training.evaluation.eval_stage import run_outside_eval
+    from training.evaluation.evaluate import ChatSettings
     from training.layout import Run
 
     check_env(env)
@@ -179,15 +179,13 @@ def report(
     from pathlib import Path
 
     from envs.paths import project_root
-    from training.layout import Run, report_file
-    from training.report import ENV_NAMES, write_report
+    from training.config import ConfigError
+    from training.evaluation.report import write_report
+    from training.specs import report_spec
 
-    root = project_root()
-    if envs:
-        unknown = [e for e in envs if e not in ENV_NAMES]
-        if unknown:
-            fail(f"unknown environment(s) {', '.join(unknown)}: choose from {', '.join(ENV_NAMES)}")
-    else:
-        envs = [e for e in ENV_NAMES if Run(e, root=root).dir.exists()]
-    path = write_report(envs, Path(out) if out else report_file(envs, root), root)
+    try:
+        spec = report_spec(envs, project_root(), Path(out) if out else None)
+    except ConfigError as err:
+        fail(str(err))
+    path = write_report(spec)
     console.print(f"report: {path}")

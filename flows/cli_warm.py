@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 
-from flows.cli_common import DeviceOpt, EnvArg, app, check_env, console, device_here, fail
+from flows.cli_common import DeviceOpt, EnvArg, app, check_env, console, device_here, fail, pairs
 from training.warm import PREFIX_CACHE_HELP, DPOStage, RFTStage, SFTStage
 
 
@@ -54,10 +54,11 @@ def warm_stage_cmd(
     console.print(f"warm start {index} ({stage.method}) done: {path}")
 
 def _warm_command(env: str, method: str, init: str | None, out: str, device: str, url: str | None = None,
-                  **settings: object) -> list:
-    """The CLI's warm-start commands: ``settings`` (None: the stage's default) as a warm-start stage of ``method``,
-    run by the pipeline's own :func:`training.warmstart.methods.run_warm_stage` into the stage folder ``out``;
-    returns the checkpoints it wrote."""
+                  sets: list[str] | None = None, **settings: object) -> list:
+    """The CLI's warm-start commands: ``settings`` (None: the stage's default), then ``sets`` (``--set
+    field=value``, any field of the stage's settings, as params.yaml's ``warm_start`` takes it), as a warm-start
+    stage of ``method``, run by the pipeline's own :func:`training.warmstart.methods.run_warm_stage` into the
+    stage folder ``out``; returns the checkpoints it wrote."""
     from pathlib import Path
 
     from training.config import base_model_dir, load_params, server_config
@@ -68,7 +69,8 @@ def _warm_command(env: str, method: str, init: str | None, out: str, device: str
     device_here(device)
     params = load_params()
     try:
-        stage = parse_stage({"method": method, **{k: v for k, v in settings.items() if v is not None}})
+        given = {k: v for k, v in settings.items() if v is not None}
+        stage = parse_stage({"method": method, **given, **pairs(sets or [])})
     except ValueError as err:
         fail(str(err))
     try:
@@ -83,6 +85,9 @@ SUB_TASK_HELP = "only these sub-tasks (repeatable)"
 LORA_HELP = "train LoRA adapters of this rank only (0: every weight); the checkpoint holds the merged weights and " \
             "the adapter in lora/"
 ENV_URL_HELP = "environment server URL (default: start one)"
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="any setting of the stage, field=value as params.yaml's warm_start takes it (repeatable; after the "
+                  "options above): e.g. split=warm, max_turns=4, expert=sighted, group_by_length=true")]
 
 
 @app.command()
@@ -104,6 +109,7 @@ def sft(
                                                     "these JSONL files or folders (a phase's rollouts/, RFT rounds, "
                                                     "DPO pairs) instead of expert episodes (repeatable)")] = None,
     device: DeviceOpt = "cpu",
+    set_: SetOpt = None,
 ) -> None:
     """Warm-start a policy by SFT on expert episodes, or on recorded successful episodes (--from): a warm-start
     stage (``method: sft``) run as the pipeline runs one."""
@@ -113,7 +119,7 @@ def sft(
         fail("--episodes and --sub-task choose expert episodes; --from trains on every successful episode of its "
               "files: give one or the other")
     expert_items = None if from_ else 64 if episodes is None else episodes
-    [path] = _warm_command(env, "sft", init, out, device, items=expert_items,
+    [path] = _warm_command(env, "sft", init, out, device, sets=set_, items=expert_items,
                            sub_tasks=sub_task or None, epochs=epochs, lr=lr, max_tokens=max_tokens, lora_r=lora_r,
                            recorded=from_ or None)
     manifest = read_manifest(path)
@@ -144,13 +150,14 @@ def rft(
     lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = _default(RFTStage, "lora_r"),
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = _default(RFTStage, "prefix_cache_gb"),
     device: DeviceOpt = "cpu",
+    set_: SetOpt = None,
 ) -> None:
     """Rejection-sampling fine-tuning (AgentEvol-style): rounds of sampling K episodes per item, keeping the
     successful ones and SFT on them; a rerun continues after the last finished round. A warm-start stage
     (``method: rft``) run as the pipeline runs one."""
     from training.checkpoint import read_manifest
 
-    folders = _warm_command(env, "rft", init, out, device, url, rounds=rounds, k=k, h=h, items=items,
+    folders = _warm_command(env, "rft", init, out, device, url, set_, rounds=rounds, k=k, h=h, items=items,
                             sub_tasks=sub_task or None, keep=keep, temperature=temperature,
                             max_new_tokens=max_new_tokens, epochs=epochs, lr=lr, lora_r=lora_r,
                             prefix_cache_gb=prefix_cache_gb)
@@ -181,13 +188,14 @@ def dpo(
     lora_r: Annotated[int, typer.Option(help=LORA_HELP)] = _default(DPOStage, "lora_r"),
     prefix_cache_gb: Annotated[float, typer.Option(help=PREFIX_CACHE_HELP)] = _default(DPOStage, "prefix_cache_gb"),
     device: DeviceOpt = "cpu",
+    set_: SetOpt = None,
 ) -> None:
     """DPO on the policy's own episodes: sample K per item, pair each item's successes with its failures, train
     on the assistant tokens against the frozen starting policy. A warm-start stage (``method: dpo``) run as the
     pipeline runs one."""
     from training.checkpoint import read_manifest
 
-    [path] = _warm_command(env, "dpo", init, out, device, url, k=k, h=h, items=items, sub_tasks=sub_task or None,
+    [path] = _warm_command(env, "dpo", init, out, device, url, set_, k=k, h=h, items=items, sub_tasks=sub_task or None,
                            beta=beta, epochs=epochs, lr=lr, max_new_tokens=max_new_tokens, lora_r=lora_r,
                            prefix_cache_gb=prefix_cache_gb)
     m = read_manifest(path)

@@ -16,7 +16,7 @@ from typing import Any
 from envs.paths import project_root
 from training.checkpoint import MANIFEST, model_card, read_manifest, replace_folder
 from training.config import ConfigError, curriculum_config, load_params
-from training.gate import run_result
+from training.evaluation.gate import run_result
 from training.layout import Run
 
 
@@ -33,7 +33,7 @@ def _last_step(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 def export_result(env: str, out: Path, root: Path | None = None) -> tuple[Path, str]:
-    """Write the checkpoint ``env``'s run hands back (training.gate.run_result: the best its promotion gates
+    """Write the checkpoint ``env``'s run hands back (training.evaluation.gate.run_result: the best its promotion gates
     promoted, or ungated the last phase's) to ``out``; returns (``out``, what it was)."""
     root = root or project_root()
     result = run_result(env, root)
@@ -57,7 +57,7 @@ def export_result(env: str, out: Path, root: Path | None = None) -> tuple[Path, 
 
 def export_phase(env: str, index: int, out: Path, root: Path | None = None) -> Path:
     """Write phase ``index`` of ``env``'s run to ``out`` (replaced if it exists); returns ``out``. A phase its
-    promotion gate rejected (training.gate) is refused: the run hands back another checkpoint."""
+    promotion gate rejected (training.evaluation.gate) is refused: the run hands back another checkpoint."""
     root = root or project_root()
     run = Run(env, root=root)
     record = run.gate_record(index)

@@ -56,8 +56,8 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.evaluate import closing_line
-from training.gate import describe, run_result
+from training.evaluation.evaluate import closing_line
+from training.evaluation.gate import describe, run_result
 from training.layout import Run
 from training.preflight import plan, require
 from training.warm import pipeline_stages

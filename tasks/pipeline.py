@@ -17,7 +17,7 @@ from envs.paths import project_root
 from tasks.stages import Outcome, run_command, run_stage
 from training.checkpoint import read_manifest
 from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params
-from training.layout import Run, report_file
+from training.layout import Run
 from training.phase import run_phase as train_one_phase
 from training.specs import phase_spec, warm_spec
 from training.warm import checkpoint_of
@@ -169,9 +169,9 @@ def run_phase(env: str, index: int, url: str, policy_url: str | None = None) -> 
 
 @task
 def gate_phase(env: str, index: int, url: str, policy_url: str | None = None) -> dict:
-    """Run (or skip, if up to date) phase ``index``'s promotion gate (stage ``<env>_gate_<index>``, training.gate)
-    against the provisioned servers; returns its summary (decision and figures)."""
-    from training.gate import run_gate
+    """Run (or skip, if up to date) phase ``index``'s promotion gate (stage ``<env>_gate_<index>``,
+    training.evaluation.gate) against the provisioned servers; returns its summary (decision and figures)."""
+    from training.evaluation.gate import run_gate
 
     stage = f"{env}_gate_{index}"
     _say(stage, run_stage(project_root(), stage, url, policy_url=policy_url,
@@ -207,7 +207,7 @@ def run_warm_stage(env: str, index: int, url: str) -> dict:
 def evaluate_run(env: str, url: str, policy_url: str | None = None) -> dict:
     """Run (or skip, if up to date) the evaluation stage, base model and every phase checkpoint, against the
     provisioned servers; in this process when only it is stale (:mod:`tasks.stages`), else by ``dvc repro``."""
-    from training.eval_stage import run_eval
+    from training.evaluation.eval_stage import run_eval
 
     _say(f"{env}_eval", run_stage(project_root(), f"{env}_eval", url, policy_url=policy_url,
                                   work=lambda: run_eval(env, url=url, root=Path("."), policy_url=policy_url,
@@ -218,11 +218,12 @@ def evaluate_run(env: str, url: str, policy_url: str | None = None) -> dict:
 @task
 def build_report(env: str) -> Path:
     """Run (or skip) the report stage, in this process when only it is stale; returns the HTML page."""
-    from training.report import write_report
+    from training.evaluation.report import write_report
+    from training.specs import report_spec
 
     _say(f"{env}_report", run_stage(project_root(), f"{env}_report",
-                                    work=lambda: write_report([env], report_file(env), Path("."))))
-    return report_file(env, project_root())
+                                    work=lambda: write_report(report_spec([env], Path(".")))))
+    return report_spec([env], project_root()).out
 
 
 Record = Literal["commit", "exp", "none"]

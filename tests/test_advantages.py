@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from training.advantages import gae, grpo, masked_mean, reinforce_plus_plus, rloo
+from training.rl.advantages import gae, grpo, masked_mean, reinforce_plus_plus, rloo
 
 # Two trajectories of one item. Positions: 0 prompt, 1-2 agent turn 1, 3 observation, 4-5 agent turn 2.
 MASK = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 0, 0, 0]], dtype=torch.float)
@@ -101,7 +101,7 @@ def _long_failures() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_token_mean_lets_long_failing_trajectories_outweigh_the_successes() -> None:
-    from training.losses import loss_weights
+    from training.rl.losses import loss_weights
 
     advantages, mask = _long_failures()
     net = float((advantages * loss_weights(mask, "token-mean")).sum())
@@ -110,7 +110,7 @@ def test_token_mean_lets_long_failing_trajectories_outweigh_the_successes() -> N
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_per_trajectory_aggregation_keeps_each_group_balanced(mode: str) -> None:
-    from training.losses import loss_weights
+    from training.rl.losses import loss_weights
 
     advantages, mask = _long_failures()
     weights = loss_weights(mask, mode, norm=6.0)
@@ -123,7 +123,7 @@ def test_per_trajectory_aggregation_keeps_each_group_balanced(mode: str) -> None
 
 
 def test_loss_weights_refuse_an_unknown_mode() -> None:
-    from training.losses import loss_weights
+    from training.rl.losses import loss_weights
 
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
         loss_weights(torch.ones(1, 2), "sequence")  # type: ignore[arg-type]

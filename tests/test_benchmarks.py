@@ -31,7 +31,7 @@ def test_a_page_from_before_the_date_column_gives_its_rows_the_pages_date(tmp_pa
 
 def test_the_seed_and_item_interval_is_wider_than_the_items_alone_when_seeds_disagree() -> None:
     from benchmarks.grpo_ablation import seed_item_ci
-    from training.evaluate import paired_difference_ci
+    from training.evaluation.evaluate import paired_difference_ci
 
     # three seeds' paired differences on the same 200 items: +10, +10 and -6 points
     diffs = [[1.0] * 20 + [0.0] * 180, [1.0] * 20 + [0.0] * 180, [-1.0] * 12 + [0.0] * 188]

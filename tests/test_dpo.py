@@ -13,7 +13,7 @@ import pytest
 from envs.launcher import ROOT
 from training.checkpoint import folder_hash, read_manifest
 from training.devices import resolve_device
-from training.evaluate import evaluate
+from training.evaluation.evaluate import evaluate
 from training.model import load_policy
 from training.trajectory import Trajectory
 from training.warmstart.dpo import DPOConfig, dpo, margins, preference_pairs

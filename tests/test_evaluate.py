@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.evaluate import EvalResult, bootstrap_ci, paired_difference_ci
+from training.evaluation.evaluate import EvalResult, bootstrap_ci, paired_difference_ci
 
 
 def test_bootstrap_ci_brackets_the_mean_and_narrows_with_more_data() -> None:
@@ -40,7 +40,7 @@ def test_eval_result_metrics() -> None:
 
 def test_evaluation_is_reproducible_same_checkpoint_same_seed_same_numbers(env_server, bandit_warm_start) -> None:
     from envs.splits import load_split
-    from training.evaluate import evaluate_checkpoints
+    from training.evaluation.evaluate import evaluate_checkpoints
 
     items = load_split("bandit", "test")[:8]
     url = env_server("bandit")
@@ -62,7 +62,7 @@ def test_evaluation_is_reproducible_same_checkpoint_same_seed_same_numbers(env_s
 
 def test_the_prefix_cache_changes_no_outcome_and_skips_the_repeated_prefill(env_server, tiny_model_dir) -> None:
     from envs.splits import load_split
-    from training.evaluate import evaluate_checkpoints
+    from training.evaluation.evaluate import evaluate_checkpoints
 
     items = load_split("babyai", "test")[:3]
 
@@ -81,7 +81,7 @@ def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env
     from envs.splits import load_split
     from training.config import eval_config, load_params, train_config
     from training.devices import DeviceError
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
 
     params = load_params()
     assert eval_config("babyai", "smoke", params).context_budget == train_config("babyai", "smoke",
@@ -105,7 +105,7 @@ def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env
 
 def _run(per_checkpoint: dict[str, list[int]]) -> tuple[dict, dict]:
     """An evaluation's metrics and per-item records with these per-item successes (reward = success)."""
-    from training.evaluate import _summary
+    from training.evaluation.evaluate import _summary
 
     checkpoints, per_item = {}, {}
     for name, wins in per_checkpoint.items():
@@ -115,7 +115,7 @@ def _run(per_checkpoint: dict[str, list[int]]) -> tuple[dict, dict]:
 
 
 def test_the_closing_line_says_when_training_moved_nothing_and_where_learning_is_shown() -> None:
-    from training.evaluate import LEARNING_DOC, closing_line
+    from training.evaluation.evaluate import LEARNING_DOC, closing_line
 
     evaluation, per_item = _run({"base": [0] * 8, "phase-0": [0] * 8, "phase-1": [0] * 8})
     line = closing_line(evaluation, per_item)
@@ -124,7 +124,7 @@ def test_the_closing_line_says_when_training_moved_nothing_and_where_learning_is
 
 
 def test_the_closing_line_compares_the_last_phase_with_the_warm_start_paired() -> None:
-    from training.evaluate import closing_line, training_effect
+    from training.evaluation.evaluate import closing_line, training_effect
 
     wins = [1] * 30 + [0] * 30
     better = [1] * 50 + [0] * 10  # the same items, 20 more solved
@@ -143,7 +143,7 @@ def test_the_closing_line_compares_the_last_phase_with_the_warm_start_paired() -
 def test_eval_sub_tasks_choose_the_test_and_gate_items_and_an_unknown_one_names_the_key() -> None:
     from envs.splits import load_split
     from training.config import ConfigError, EvalConfig
-    from training.eval_stage import test_items
+    from training.evaluation.eval_stage import test_items
 
     every = test_items("babyai", EvalConfig(items=12))
     assert len({r["sub_task"] for r in every}) > 1  # round-robin over the sub-tasks

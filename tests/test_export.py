@@ -11,7 +11,7 @@ from flows.export import export_phase
 from tests.test_trainer import CONFIG
 from training.checkpoint import read_manifest
 from training.config import ConfigError
-from training.evaluate import evaluate_checkpoints
+from training.evaluation.evaluate import evaluate_checkpoints
 from training.layout import Run
 from training.trainer import train_phase
 

@@ -17,7 +17,7 @@ from tests.test_pipeline import _ran, _sh, _workspace
 def _phase_locks(work: Path) -> dict:
     import yaml
 
-    from training.lineage import lineage
+    from training.evaluation.lineage import lineage
 
     stages = yaml.safe_load((work / "dvc.lock").read_text())["stages"]
     records, problems, _ = lineage("babyai", work)

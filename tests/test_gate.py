@@ -1,4 +1,5 @@
-"""Promotion gates (training/gate.py): a phase hands its checkpoint on only if it is not worse than its parent.
+"""Promotion gates (training/evaluation/gate.py): a phase hands its checkpoint on only if it is not worse than its
+parent.
 
 The integration tests run a three-phase bandit curriculum in a working copy of its own, from the 50/50 SFT warm
 start (conftest): a phase at a sound learning rate is promoted; a phase at a learning rate far too high wrecks
@@ -19,9 +20,9 @@ import yaml
 from flows.dvc_pipeline import render
 from flows.export import export_phase, export_result
 from training.config import ConfigError, GateConfig, load_params
-from training.gate import decide, paired_interval, run_gate, run_result
+from training.evaluation.gate import decide, paired_interval, run_gate, run_result
+from training.evaluation.lineage import lineage
 from training.layout import Run
-from training.lineage import lineage
 from training.specs import phase_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +103,11 @@ def test_a_wrecked_phase_is_rejected_and_retried_and_a_sound_one_promoted(bandit
     assert not second["passed"] and second["diff"] < -0.3, second
     assert [r["retry"] for r in second["retries"]] == [1] and second["retries"][0]["lr"] == pytest.approx(5e-4)
     retry = second["retries"][0]
+    # it started from the best on the gate items of the parent and phase 1's kept intra-phase checkpoints, each
+    # scored and recorded (a phase pulled from the remote has none: the record then says {})
+    scored = retry["intermediate_scored"]
+    assert scored and all(name.startswith("runs/bandit/phase-1/intermediate/step-") for name in scored), retry
+    assert retry["start_score"] == pytest.approx(max([second["parent"], *scored.values()]))
     # measured: phase 1 falls to 0%, its retry (from phase 0's checkpoint) reaches 92.2% and is promoted
     assert second["decision"] == ("retry-1" if retry["passed"] else "parent")
     assert json.loads(run.promotion(1).read_text())["checkpoint"] == (
@@ -181,10 +187,10 @@ def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, mon
     """One door: the promotion gate and the evaluation stage call the sampler with the same arguments, built once
     by ``training.specs.eval_spec`` from the same settings (here an eval section that sets k, temperature and
     seed and leaves the context budget to training's), and differ only in their items."""
-    import training.eval_stage as eval_stage
-    import training.evaluate as evaluate_module
+    import training.evaluation.eval_stage as eval_stage
+    import training.evaluation.evaluate as evaluate_module
     from training.config import parse_params
-    from training.gate import GateRun
+    from training.evaluation.gate import GateRun
     from training.specs import eval_spec
 
     root = tmp_path / "work"
@@ -226,3 +232,10 @@ def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, mon
     train_budget = params["train"]["smoke"].get("context_budget", 2048)
     assert spec.sampling()["context_budget"] == train_budget  # eval's None: training's budget
     assert gate.spec == spec
+    # gate.cap: phase samples at the phase's own turn cap, everything else as before; the default, final, ignores it
+    assert GateRun("babyai", 0, root, "u", None, lambda: 1, phase_h=2).spec.h == spec.h != 2
+    params["gate"]["smoke"]["cap"] = "phase"
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    at_phase = GateRun("babyai", 0, root, "u", None, lambda: 1, phase_h=2)
+    assert at_phase.spec.h == at_phase.settings()["h"] == 2
+    assert at_phase.spec.sampling() == {**spec.sampling(), "h": 2}

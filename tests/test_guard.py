@@ -10,8 +10,8 @@ import pytest
 
 from training.checkpoint import read_manifest
 from training.config import TrainConfig
+from training.evaluation.lineage import PhaseRecord
 from training.guard import Guard, GuardConfig, GuardEvent, lr_scale
-from training.lineage import PhaseRecord
 from training.trainer import train_phase
 
 HEALTHY = {"actor/kl": 0.01, "actor/grad_norm": 5.0, "actor/entropy": 1.0, "rollout/invalid_actions": 0.1,

@@ -17,7 +17,7 @@ import pytest
 from envs.splits import load_split
 from tests.conftest import bandit_conversation
 from training.config import TrainConfig
-from training.evaluate import evaluate, paired_difference_ci
+from training.evaluation.evaluate import evaluate, paired_difference_ci
 from training.trainer import train_phase
 from training.warmstart.sft import to_trajectory
 

@@ -18,7 +18,7 @@ from envs.urls import ServerUrls
 from training.checkpoint import checkpoint_hash, read_manifest
 from training.config import MixShare, TrainConfig
 from training.data import MixedData
-from training.evaluate import evaluate
+from training.evaluation.evaluate import evaluate
 from training.mixed import allocation, shares
 from training.sampler import EnvironmentFailure
 from training.trainer import PhaseTrainer, train_phase

@@ -382,7 +382,7 @@ def test_the_evaluation_stage_depends_on_all_the_code_that_plays_its_episodes() 
     from flows.dvc_pipeline import EVAL_CODE
 
     no_result = {"envs/files.py"}  # atomic file writes
-    played = _imported_files(ROOT / "training/rollout.py")
+    played = _imported_files(ROOT / "training/rollouts/rollout.py")
     covered = [c.rstrip("/") for c in EVAL_CODE]  # files, or folders (training/engines)
     missing = sorted(f for f in played - no_result if f.startswith("training/")
                      and not any(f == c or f.startswith(c + "/") for c in covered))

@@ -23,7 +23,7 @@ from envs.paths import scratch_dir
 from training.checkpoint import MANIFEST, CheckpointError
 from training.config import TrainConfig
 from training.phase_files import remove_stale_staging
-from training.rollout import RolloutResult, rollout_stats, write_rollout_log
+from training.rollouts.rollout import RolloutResult, rollout_stats, write_rollout_log
 from training.sampler import EnvironmentFailure
 from training.trainer import PhaseTrainer, train_phase
 from training.trajectory import Trajectory

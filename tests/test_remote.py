@@ -62,7 +62,7 @@ def test_checkpoints_push_to_and_pull_from_s3(s3_server, tmp_path) -> None:
 
 
 def _records(work: Path) -> list[tuple]:
-    from training.lineage import lineage
+    from training.evaluation.lineage import lineage
 
     records, problems, _ = lineage("babyai", work)
     assert problems == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from envs.launcher import ROOT
-from training.report import render, report_data
+from training.evaluation.report import render, report_data
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -103,3 +103,36 @@ def test_the_report_takes_every_outside_models_evaluation_and_not_its_answer_cac
     (folder / "gpt-x.cache.jsonl").write_text('{"key": "k", "text": "Action: turn left"}\n')
     outside = report_data(["babyai"], tmp_path)["results"]["babyai"]["outside"]
     assert list(outside) == ["gpt-x"] and outside["gpt-x"]["success"] == 0.25
+
+
+def test_every_door_of_the_report_writes_the_same_spec(monkeypatch, tmp_path) -> None:
+    """One door per stage kind: the report command (what the DVC stage ``<env>_report`` runs) and the Prefect task
+    write the report of the same spec; an unknown environment is refused by name, before anything is written."""
+    from typer.testing import CliRunner
+
+    import tasks.pipeline
+    import training.evaluation.report as report_module
+    from flows.cli import app
+    from training.config import ConfigError
+    from training.specs import report_spec
+
+    written = []
+    monkeypatch.setattr(report_module, "write_report", lambda spec: written.append(spec) or spec.out)
+    monkeypatch.setattr(tasks.pipeline, "run_stage", lambda root, stage, work=None, **kw: work())
+    monkeypatch.chdir(tmp_path)  # the task's stage runs in the working copy it is given (here: the cwd)
+    monkeypatch.setattr(tasks.pipeline, "project_root", lambda: tmp_path)
+    monkeypatch.setattr("envs.paths.project_root", lambda: tmp_path)
+    done = CliRunner().invoke(app, ["report", "babyai"])
+    assert done.exit_code == 0, done.output
+    tasks.pipeline.build_report.fn("babyai")
+    assert len(written) == 2
+    cli, task = written
+    assert cli.envs == task.envs == ["babyai"]
+    assert cli.out.resolve() == task.out.resolve() == (tmp_path / "reports/babyai.html").resolve()
+    assert report_spec(["babyai", "mixed"], tmp_path).out == tmp_path / "reports/index.html"
+    with pytest.raises(ConfigError, match=r"unknown environment.*babyia"):
+        report_spec(["babyia"], tmp_path)
+    done = CliRunner().invoke(app, ["report", "babyia"])
+    assert done.exit_code != 0 and "babyia" in done.output and len(written) == 2
+    with pytest.raises(ConfigError, match="no run under"):
+        report_spec(None, tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from envs.launcher import ROOT
 from training.checkpoint import checkpoint_hash, folder_hash, read_manifest
 from training.config import SFTConfig
-from training.evaluate import evaluate
+from training.evaluation.evaluate import evaluate
 from training.store import read_episodes, training_conversation
 from training.trajectory import Trajectory
 from training.warmstart.rft import RFTConfig, rft, select

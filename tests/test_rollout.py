@@ -17,7 +17,7 @@ from envs.splits import item_index, load_split
 from training.chat_format import ChatFormat, opening_messages
 from training.config import curriculum_config
 from training.engines.engine import Generation, HFEngine, ScriptedEngine
-from training.rollout import Rollout, RolloutConfig
+from training.rollouts.rollout import Rollout, RolloutConfig
 
 
 def _engine(policy) -> HFEngine:
@@ -402,7 +402,7 @@ def test_bad_item_ids_fail_loudly(env_server, tiny_policy) -> None:
 def test_rollout_log_is_one_json_line_per_trajectory(env_server, tiny_policy, tmp_path) -> None:
     import json
 
-    from training.rollout import write_rollout_log
+    from training.rollouts.rollout import write_rollout_log
 
     config = RolloutConfig(n_samples=2, max_new_tokens=8)
     result = Rollout("babyai", env_server("babyai"), _engine(tiny_policy), tiny_policy[1], config).run(

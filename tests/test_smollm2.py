@@ -65,7 +65,7 @@ def _chat_api_evaluation(url: str, model_dir, env_url: str) -> None:
     from envs.splits import item_index, load_split
     from training.chat_format import opening_messages
     from training.engines.vllm_server import SERVED_NAME
-    from training.evaluate import ChatSettings, evaluate_outside
+    from training.evaluation.evaluate import ChatSettings, evaluate_outside
 
     items = [r["item_id"] for r in load_split("babyai", "test")[:2]]
     result = evaluate_outside(url, SERVED_NAME, model_dir, "babyai", env_url, items, h=1, k=1, temperature=0.0,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.curriculum_report import markdown, summarise
-from benchmarks.curriculum_study import PARAMS, run
+from benchmarks.curriculum_study import PARAMS, PARAMS_V2, run
 
 SMALL = {**PARAMS,
          "task": {"max_expert_turns": 2, "sft_items": 16, "eval_items": 12, "curve_items": 6},
@@ -54,6 +54,30 @@ def test_each_arm_is_a_dvc_experiment_with_its_figures_and_a_rerun_skips_what_is
     summary = summarise(docs)
     assert [r["arm"] for r in summary["table"]] == ["fixed-1", "grow"]
     assert "| grow | 1 | 2 |" in markdown(summary)
+
+
+def test_the_redone_study_evaluates_sampled_beside_greedy_and_draws_its_curve_from_the_kept_checkpoints(
+        tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """Issue 46's study (``--study v2``): the final policy greedy and sampled at T = 1 on the held-out items, the
+    warm start the same, and a curve point for every checkpoint kept every ``save_every`` steps; the training's
+    context budget reaches the evaluation."""
+    monkeypatch.setenv("SCALINGINTER_STUDY_BASE", str(tiny_model_dir))
+    small = {**PARAMS_V2, "task": SMALL["task"], "warm": SMALL["warm"], "pilot": SMALL["pilot"],
+             "train": {**PARAMS_V2["train"], "batch_items": 2, "n_samples": 2, "mini_batch_size": 4,
+                       "micro_batch_size": 4, "save_every": 1, "context_budget": 1024},
+             "eval": {**PARAMS_V2["eval"], "h": 2, "batch_items": 12, "curve_items": 6}}
+    specs = {"fixed-2": {"schedule": [[2, 3]], "adaptive": False}}
+    docs = tmp_path / "docs"
+    run(tmp_path / "ws", [0], ["fixed-2"], docs=docs, params=small, specs=specs)
+    figures = json.loads((docs / "fixed-2-s0.json").read_text())
+    evaluation = figures["eval"]
+    assert len(evaluation["held_out"]["per_item"]) == len(evaluation["sampled"]["per_item"]) == 12
+    # steps 1 and 2 kept (step 3 is the final): two curve points at their own steps, on the curve items
+    assert [(p["global_step"], p["items"]) for p in evaluation["curve"]] == [(1, 6), (2, 6)]
+    warm = json.loads((docs / "warm.json").read_text())
+    assert warm["sampled"]["items"] == warm["held_out"]["items"] == 12
+    manifest = json.loads((tmp_path / "ws/arms/fixed-2-s0/phases/phase-0/final/manifest.json").read_text())
+    assert manifest["config"]["context_budget"] == 1024
 
 
 def _fake_arm(docs: Path, arm: str, seed: int, per_item: dict[str, int], tokens: float) -> None:
@@ -99,7 +123,7 @@ def test_the_report_draws_the_curriculum_study(tmp_path) -> None:
     from playwright.sync_api import sync_playwright
 
     from tests.test_report import CHROMIUM, FLAGS
-    from training.report import render, report_data
+    from training.evaluation.report import render, report_data
 
     test_the_summary_pairs_items_and_prices_the_tokens(tmp_path)
     data = report_data(["babyai"])

@@ -113,7 +113,7 @@ def test_a_corrupted_base_model_is_refused_by_training_sft_and_evaluation(env_se
     refused before anything trains on it or scores it, naming the file."""
     import shutil
 
-    from training.evaluate import evaluate
+    from training.evaluation.evaluate import evaluate
     from training.warmstart.sft import SFTConfig, sft
 
     base = tmp_path / "base"
@@ -234,7 +234,7 @@ def test_intra_phase_checkpoints_of_a_run_with_other_settings_are_not_resumed(en
 def test_bf16_precision_autocasts_the_forward_and_keeps_float32_weights(env_server, tiny_model_dir,
                                                                           tiny_policy, tmp_path) -> None:
     from training.devices import autocast
-    from training.losses import policy_forward
+    from training.rl.losses import policy_forward
 
     model, _ = tiny_policy
     ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -447,7 +447,7 @@ def test_a_checkpoint_is_hashed_when_written_and_verified_once_when_loaded(env_s
 def test_the_observation_after_a_cut_trajectorys_last_turn_changes_no_trained_log_prob(tiny_policy) -> None:
     """A trajectory cut by the turn cap ends with the observation that came after its last turn (mask 0): being
     after the last agent token, it cannot change any agent token's log-prob, so the update trains the same."""
-    from training.losses import policy_forward
+    from training.rl.losses import policy_forward
 
     model, _ = tiny_policy
     ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -462,7 +462,7 @@ def test_chunked_log_probs_give_the_same_values_and_gradients(tiny_policy) -> No
     """logprob_chunk computes the vocabulary projection a chunk of positions at a time from the final hidden
     states (recomputed in backward): the log-probs and entropies are those of the whole-logits path, and so
     are the gradients (within float rounding of the accumulation)."""
-    from training.losses import policy_forward
+    from training.rl.losses import policy_forward
 
     model, _ = tiny_policy
     ids = torch.randint(3, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
@@ -504,9 +504,9 @@ def test_the_memory_levers_train_the_same_step(env_server, tiny_model_dir, tmp_p
 def test_the_training_batch_ends_at_the_last_agent_token_and_trains_the_same(tiny_model_dir) -> None:
     # the observation the environment answered the last reply with is never trained on; the attention being causal,
     # it changes no trained token's log-prob: the batch leaves it out (issue 51: a quarter of the bandit's sequences)
-    from training.experience import collate
-    from training.losses import policy_forward
     from training.model import load_policy
+    from training.rl.experience import collate
+    from training.rl.losses import policy_forward
     from training.trajectory import Trajectory
 
     model, tokenizer = load_policy(tiny_model_dir)
@@ -545,7 +545,7 @@ def test_one_optimizer_step_per_batch_takes_its_old_logprobs_from_the_update(env
     within float rounding as with the pass."""
     from safetensors.torch import load_file
 
-    import training.update as update_module
+    import training.rl.update as update_module
 
     passes: list[str] = []
     real = update_module.sequence_logprobs

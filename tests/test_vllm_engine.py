@@ -358,7 +358,7 @@ def test_asynchronous_rollouts_give_each_trajectory_its_own_requests(vllm_url, t
     observation is back; the server batches them), admitted as instances free on a server that holds 3 of 8."""
     from envs.launcher import running_server
     from envs.splits import load_split
-    from training.rollout import Rollout, RolloutConfig
+    from training.rollouts.rollout import Rollout, RolloutConfig
 
     _, tokenizer = tiny_policy
     engine = VLLMEngine(vllm_url, tokenizer.eos_token_id)
@@ -402,7 +402,7 @@ def test_an_outside_model_is_evaluated_with_its_key_from_the_environment(tiny_mo
     """An OpenAI-compatible server guarded by an API key (a vLLM server started with --api-key stands in for
     an outside one): the key comes from SCALINGINTER_API_KEY, a wrong one is a clear error that never shows it."""
 
-    from training.eval_stage import run_outside_eval
+    from training.evaluation.eval_stage import run_outside_eval
 
     key = "sk-test-0123456789"
     from tests.test_pipeline import _without_main_job_warm_start  # BabyAI's smoke evaluation on 6 items
@@ -573,7 +573,7 @@ CHAT_ITEMS = 3  # BabyAI test items, two samples each, at most two turns: 6-12 a
 
 def _chat_eval(vllm_url: str, env_url: str, tiny_model_dir: Path, **settings):
     from envs.splits import load_split
-    from training.evaluate import ChatSettings, evaluate_outside
+    from training.evaluation.evaluate import ChatSettings, evaluate_outside
 
     items = [r["item_id"] for r in load_split("babyai", "test")[:CHAT_ITEMS]]
     from training.engines.vllm_server import SERVED_NAME
@@ -689,7 +689,7 @@ def test_a_rate_limited_chat_api_is_retried_and_one_that_keeps_failing_is_an_err
     assert 3 <= down.seen <= 3 * 3 and not (tmp_path / "down.jsonl").exists()
     with pytest.raises(EngineError, match="answered 404"):  # a model the server does not serve: no retry
         from envs.splits import load_split
-        from training.evaluate import ChatSettings, evaluate_outside
+        from training.evaluation.evaluate import ChatSettings, evaluate_outside
 
         evaluate_outside(vllm_url, "no-such-model", tiny_model_dir, "babyai", url,
                          [load_split("babyai", "test")[0]["item_id"]], h=1, k=1, temperature=0.0,
@@ -704,7 +704,7 @@ def test_the_evaluation_stage_evaluates_the_outside_models_params_yaml_lists(vll
 
     from tests.test_pipeline import _without_main_job_warm_start
     from training.engines.vllm_server import SERVED_NAME
-    from training.eval_stage import run_outside_models
+    from training.evaluation.eval_stage import run_outside_models
 
     params = yaml.safe_load(_without_main_job_warm_start((ROOT / "params.yaml").read_text()))
     params["eval"]["smoke"] |= {"h": 2, "context_budget": 1900, "k": 1, "temperature": 0.0,

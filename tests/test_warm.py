@@ -101,7 +101,7 @@ def test_sft_rft_dpo_then_grpo_run_as_stages_with_one_lineage(tmp_path) -> None:
     follows it, never SFT nor RFT."""
     from flows.dvc_pipeline import set_params
     from tests.test_pipeline import _ran, _sh, _workspace
-    from training.lineage import lineage
+    from training.evaluation.lineage import lineage
 
     work = _workspace(tmp_path, one_step_phases=1)
     set_params({"curriculum.babyai.profiles.smoke.warm_start": WARM}, work)
@@ -192,3 +192,47 @@ def test_the_main_jobs_warm_start_learns_from_the_warm_split_never_from_an_evalu
     with pytest.raises(ValueError, match="the sciworld warm split has only 0 items"):
         run_warm_stage("sciworld", 0, parse_stage({"method": "sft", "split": "warm", "items": 1, "max_turns": 4}),
                        tiny_model_dir, tmp_path / "none")
+
+
+def test_every_door_of_a_warm_stage_makes_the_same_call(monkeypatch) -> None:
+    """One door per stage kind: the warm-start stage's command (what its DVC stage runs), the Prefect task and the
+    ``sft`` command given the stage's settings (options, then ``--set``) all call ``run_warm_stage`` with the same
+    stage settings, start and device; a setting the stage does not have is refused by name."""
+    from typer.testing import CliRunner
+
+    import tasks.pipeline
+    import training.warmstart.methods as methods
+    from flows.cli import app
+    from training.devices import placement
+    from training.specs import warm_spec
+
+    calls: list[tuple] = []
+
+    class Called(Exception):
+        pass
+
+    def record(env, index, stage, init, out, url=None, server=None, progress=False, device=None):
+        calls.append((env, index, stage, Path(init).resolve(), device or placement()))
+        raise Called
+
+    monkeypatch.setattr(methods, "run_warm_stage", record)
+    monkeypatch.setattr(tasks.pipeline, "run_stage", lambda root, stage, url, work, **kw: work())
+    monkeypatch.setenv("SCALINGINTER_DEVICE", "cpu")
+    runner = CliRunner()
+    done = runner.invoke(app, ["warm-stage", "babyai", "--index", "0"])
+    assert isinstance(done.exception, Called), done.output
+    with pytest.raises(Called):
+        tasks.pipeline.run_warm_stage.fn("babyai", 0, "http://127.0.0.1:9")
+    stage, init, _ = warm_spec("babyai", 0, Path("."))
+    assert stage.method == "sft" and stage.split == "warm"  # the main job's warm start, not the defaults
+    options = {"items": "--episodes", "epochs": "--epochs", "lr": "--lr", "max_tokens": "--max-tokens",
+               "lora_r": "--lora-r"}
+    argv = [arg for field, flag in options.items() for arg in (flag, str(getattr(stage, field)))]
+    rest = stage.model_dump(exclude={"method", "recorded", *options})
+    sets = [arg for field, value in rest.items() for arg in ("--set", f"{field}={json.dumps(value)}")]
+    done = runner.invoke(app, ["sft", "babyai", "--out", "runs/unused", *argv, *sets])
+    assert isinstance(done.exception, Called), done.output
+    assert len(calls) == 3 and calls[0] == calls[1] == calls[2], calls
+    assert calls[0][:4] == ("babyai", 0, stage, Path(init).resolve())
+    done = runner.invoke(app, ["sft", "babyai", "--set", "epoch=3"])
+    assert done.exit_code != 0 and "epoch" in done.output and len(calls) == 3

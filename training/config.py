@@ -18,7 +18,6 @@ from training.devices import placement
 from training.guard import GuardConfig
 from training.layout import base_model
 from training.lora import LoraSettings
-from training.losses import LossAggregation
 from training.warm import GROUP_BY_LENGTH_HELP, PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 
@@ -34,6 +33,9 @@ class MixShare(BaseModel):
     max_h: int | None = Field(None, ge=1, description="its own turn cap: the phase's h clipped to it")
     sub_tasks: list[str] | None = Field(None, description="its items from these sub-tasks only")
 
+
+#: how a mini-batch's tokens weigh in the policy loss (``training.rl.losses.loss_weights``)
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class TrainConfig(BaseModel):
@@ -98,7 +100,7 @@ class TrainConfig(BaseModel):
     loss_agg: LossAggregation = Field("token-mean", description="how a mini-batch's tokens are weighed in the "
                                       "loss: token-mean (each token the same), seq-mean-token-mean (each trajectory "
                                       "the same) or seq-mean-token-sum-norm (each trajectory's token sum over "
-                                      "max_new_tokens, Dr. GRPO); see training.losses")
+                                      "max_new_tokens, Dr. GRPO); see training.rl.losses")
     kl_coef: float = Field(1e-3, ge=0, description="weight of the KL to the reference model (0: no reference pass)")
     kl_in_reward: bool = Field(False, description="subtract kl_coef * KL from rewards instead of a loss term")
     entropy_coef: float = Field(1e-3, ge=0, description="weight of the entropy bonus")
@@ -337,8 +339,8 @@ def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | N
 
 
 class GateConfig(BaseModel):
-    """A promotion gate at every phase boundary (params.yaml ``gate.<profile>``; ``training.gate``): the phase's
-    final checkpoint against its parent on the gate items, sampled as the evaluation samples (its engine, k,
+    """A promotion gate at every phase boundary (params.yaml ``gate.<profile>``; ``training.evaluation.gate``): the
+    phase's final checkpoint against its parent on the gate items, sampled as the evaluation samples (its engine, k,
     temperature, turn cap and context budget)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -359,6 +361,10 @@ class GateConfig(BaseModel):
                              "parent is promoted")
     lr_factor: float = Field(0.1, gt=0, lt=1, description="on_reject retry: the learning rate's factor")
     resamples: int = Field(2000, ge=100, description="bootstrap resamples of the interval")
+    cap: Literal["final", "phase"] = Field(
+        "final", description="the turn cap of the gate's episodes: final: the evaluation's (the last phase's h: what "
+        "the run is for, so every phase is judged where the run ends); phase: the phase's own h (a phase at a small h "
+        "judged where it trained; the parent is then scored again at each gate's cap)")
 
 
 def gate_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> GateConfig:

@@ -73,7 +73,8 @@ class Run:
         return self.phase(index) / "dvclive" / "metrics.json"
 
     def gate(self, index: int) -> Path:
-        """Phase ``index``'s promotion gate (training.gate): promotion.json, summary.json, evals/, retry-<n>/."""
+        """Phase ``index``'s promotion gate (training.evaluation.gate): promotion.json, summary.json, evals/,
+        retry-<n>/."""
         return self.dir / f"gate-{index}"
 
     def promotion(self, index: int) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 
 from envs.urls import ServerUrls
 from training.config import MixShare, TrainConfig
-from training.rollout import Rollout, RolloutResult, rollout_stats
+from training.rollouts.rollout import Rollout, RolloutResult, rollout_stats
 
 SEP = ":"
 

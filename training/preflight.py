@@ -459,7 +459,7 @@ def check_versions(p: Plan) -> list[Finding]:
 
 
 def check_gate(p: Plan, root: Path | None = None) -> list[Finding]:
-    """The promotion gates (training.gate) against the gate split: a gated environment needs gate items."""
+    """The promotion gates (training.evaluation.gate) against the gate split: a gated environment needs gate items."""
     if not p.gate.enabled:
         return []
     from envs.splits import data_dir, load_split

@@ -17,7 +17,7 @@ import torch
 from training.config import PolicyServerConfig, TrainConfig
 from training.devices import distributed_backend
 from training.engines.engine import HFEngine, PolicyEngine
-from training.rollout import RolloutConfig, RolloutResult
+from training.rollouts.rollout import RolloutConfig, RolloutResult
 
 log = logging.getLogger(__name__)
 

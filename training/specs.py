@@ -2,7 +2,7 @@
 DVC stages and the benchmarks alike. A phase: :func:`phase_spec` (the pipeline's) and :func:`build_phase_spec` (what
 both it and ``train-phase`` call); a warm start: :func:`warm_spec`; how checkpoints are sampled for a score:
 :func:`eval_spec`, the one the evaluation stage and the promotion gates both take (the gate's own settings, its
-items and margin, from :func:`~training.config.gate_config`).
+items and margin, from :func:`~training.config.gate_config`); the report: :func:`report_spec`.
 Placement (``SCALINGINTER_DEVICE``) is applied inside them, once (``training.config.train_config``).
 """
 
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from training.config import (
+    MIXED,
     ConfigError,
     EvalConfig,
     PolicyServerConfig,
@@ -32,7 +33,7 @@ from training.config import (
     train_config,
 )
 from training.curriculum import AdaptiveRule
-from training.layout import Run
+from training.layout import Run, report_file
 
 
 def start_checkpoint(env: str, params: dict[str, Any], root: Path = Path("."), profile: str | None = None) -> Path:
@@ -104,7 +105,7 @@ def build_phase_spec(env: str, index: int, h: int, steps: int, init: Path, out: 
 
 
 def read_promotion(path: Path) -> dict[str, Any]:
-    """A promotion gate's promotion.json (training.gate); a missing one names the stage that writes it."""
+    """A promotion gate's promotion.json (training.evaluation.gate); a missing one names the stage that writes it."""
     if not path.exists():
         gate = path.parent.name.replace("gate-", "")
         raise ConfigError(f"{path} not found: run the promotion gate of phase {gate} first "
@@ -177,11 +178,19 @@ class EvalSpec(BaseModel):
     h: int
     policy_server: PolicyServerConfig
 
+    @field_validator("config")
+    @classmethod
+    def _budget_resolved(cls, config: EvalConfig) -> EvalConfig:
+        if config.context_budget is None:
+            raise ValueError("the evaluation's context_budget is unresolved: build the spec with eval_spec(), which "
+                             "takes the training profile's when eval.<profile>.context_budget is not set")
+        return config
+
     def sampling(self) -> dict[str, Any]:
-        """``training.evaluate``'s sampling arguments (the items, servers and batch size are the caller's)."""
+        """``training.evaluation.evaluate``'s sampling arguments (the items, servers and batch size: the caller's)."""
         c = self.config
         return {"h": self.h, "k": c.k, "temperature": c.temperature, "max_new_tokens": c.max_new_tokens,
-                "seed": c.seed, "context_budget": c.context_budget or 8192, "device": c.device,
+                "seed": c.seed, "context_budget": c.context_budget, "device": c.device,
                 "policy_server": self.policy_server, "prefix_cache_gb": c.prefix_cache_gb}
 
 
@@ -192,3 +201,29 @@ def eval_spec(env: str, params: dict[str, Any], profile: str | None = None) -> E
     config = eval_config(env, profile, params)
     h = config.h or curriculum_config(env, profile, params).phases()[-1].h
     return EvalSpec(env=env, config=config, h=h, policy_server=policy_server_config(params))
+
+
+class ReportSpec(BaseModel):
+    """The report of a working copy: which environments' results it draws and the HTML file it writes."""
+
+    model_config = ConfigDict(frozen=True)
+    envs: list[str]
+    out: Path
+    root: Path
+
+
+def report_spec(envs: list[str] | None, root: Path, out: Path | None = None) -> ReportSpec:
+    """The report stage's spec: ``envs`` (default: every environment with a run under ``root``), each a known
+    environment, written to ``out`` (default ``reports/<env>.html`` for one, ``reports/index.html`` for several)."""
+    from envs.registry import ENVIRONMENTS
+
+    known = (*ENVIRONMENTS, MIXED)  # the mixed run (one policy over several environments) has its report too
+    if envs:
+        unknown = [e for e in envs if e not in known]
+        if unknown:
+            raise ConfigError(f"unknown environment(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    else:
+        envs = [e for e in known if Run(e, root=root).dir.exists()]
+        if not envs:
+            raise ConfigError(f"no run under {root / 'runs'} to report: run the pipeline first (`make run`)")
+    return ReportSpec(envs=envs, out=out or report_file(envs, root), root=root)

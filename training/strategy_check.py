@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from training.losses import actor_loss, token_logprobs
 from training.model import load_policy
+from training.rl.losses import actor_loss, token_logprobs
 from training.strategy import exit_rank, make_strategy
 
 

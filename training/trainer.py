@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from envs.urls import ServerUrls
-from training.advantages import flat_rows
 from training.checkpoint import (
     MANIFEST,
     STATE,
@@ -34,23 +33,24 @@ from training.checkpoint import (
     state_folder,
 )
 from training.config import PolicyServerConfig, TrainConfig, mixed_envs
-from training.critic import ValueModel
 from training.curriculum import AdaptiveRule, adaptive_advance
 from training.data import DataStream, MixedData
 from training.devices import peak_memory_gib, rank_device
-from training.experience import collate, experience_stats
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.lora import load_adapter, with_lora
-from training.losses import loss_weights
 from training.metrics import Metrics
 from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, shares
 from training.model import load_policy
 from training.phase_files import LOGS, load_state, remove_stale_staging, restore_logs
 from training.phase_save import Ledger, PhaseCheckpoints
-from training.rollout import Rollout, write_rollout_log
+from training.rl.advantages import flat_rows
+from training.rl.critic import ValueModel
+from training.rl.experience import collate, experience_stats
+from training.rl.losses import loss_weights
+from training.rl.update import PolicyUpdate
+from training.rollouts.rollout import Rollout, write_rollout_log
 from training.sampler import PhaseSampling, build_sampler, train_rollout_config
 from training.strategy import make_strategy
-from training.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def weights_hash(folder: Path) -> str:
 @torch.no_grad()
 def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
     """The trainer's log-probs (temperature 1, the model's own precision) of ``ids[1:]``."""
-    from training.losses import token_logprobs
+    from training.rl.losses import token_logprobs
 
     tensor = torch.tensor([ids], device=next(model.parameters()).device)
     was_training = model.training

@@ -24,10 +24,10 @@ from tqdm import tqdm
 from envs.files import atomic_write
 from training.checkpoint import MANIFEST, folder_hash, read_manifest
 from training.devices import resolve_device
-from training.experience import collate
 from training.lora import LoraSettings, with_lora
-from training.losses import token_logprobs
 from training.model import load_policy
+from training.rl.experience import collate
+from training.rl.losses import token_logprobs
 from training.trajectory import Trajectory
 from training.warmstart.sft import save_policy
 

@@ -26,7 +26,7 @@ from training.checkpoint import MANIFEST, folder_hash, read_manifest
 from training.config import SFTConfig
 from training.devices import resolve_device
 from training.model import load_policy
-from training.rollout import Rollout, RolloutConfig
+from training.rollouts.rollout import Rollout, RolloutConfig
 from training.sampler import build_sampler
 from training.trajectory import Trajectory
 from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP

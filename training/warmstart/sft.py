@@ -27,10 +27,10 @@ from training.chat_format import ChatFormat, opening_messages
 from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
 from training.config import SFTConfig
 from training.devices import resolve_device
-from training.experience import collate
 from training.lora import save_lora, with_lora
-from training.losses import token_logprobs
 from training.model import load_policy
+from training.rl.experience import collate
+from training.rl.losses import token_logprobs
 from training.store import recorded_trajectory, training_conversation
 from training.trajectory import Trajectory
 

@@ -57,7 +57,7 @@ def sequence_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask:
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over agent tokens."""
-    from training.advantages import masked_mean
+    from training.rl.advantages import masked_mean
 
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     diff = returns - values

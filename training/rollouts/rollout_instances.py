@@ -1,7 +1,7 @@
-"""Opening and closing a rollout's environment instances across its servers (``training.rollout``): which server
-each trajectory goes to (weighted by capacity, the failed ones left out), the resets (batched, retried, each
+"""Opening and closing a rollout's environment instances across its servers (``training.rollouts.rollout``): which
+server each trajectory goes to (weighted by capacity, the failed ones left out), the resets (batched, retried, each
 trajectory's own on failure) and the closes that follow every rollout, also on errors. A part of
-:class:`training.rollout.Rollout`.
+:class:`training.rollouts.rollout.Rollout`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
 
 
 class InstancePool:
-    """The instances of a :class:`~training.rollout.Rollout`'s trajectories on its servers."""
+    """The instances of a :class:`~training.rollouts.rollout.Rollout`'s trajectories on its servers."""
 
     def _assign(self, count: int) -> list[int]:
         """A server for each of ``count`` trajectories: weighted round robin over the live servers."""

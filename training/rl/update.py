@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from training.advantages import masked_mean
 from training.config import TrainConfig
-from training.critic import ValueModel, explained_variance, sequence_values
 from training.devices import autocast
-from training.experience import Experience, estimate_advantages, sequence_logprobs
-from training.losses import actor_loss, loss_weights, policy_forward, value_loss
+from training.rl.advantages import masked_mean
+from training.rl.critic import ValueModel, explained_variance, sequence_values
+from training.rl.experience import Experience, estimate_advantages, sequence_logprobs
+from training.rl.losses import actor_loss, loss_weights, policy_forward, value_loss
 
 
 class PolicyUpdate:
@@ -121,7 +121,7 @@ class PolicyUpdate:
                 parts[key] += value * share
         grad_norm = self.strategy.step()
         if mb.old_logprobs is None and bool(mb.sampler_logprobs.ne(0).any()):  # a scripted engine gives none
-            # what training.experience.experience_stats reports when the old log-probs come before the update
+            # what training.rl.experience.experience_stats reports when the old log-probs come before the update
             parts |= {"actor/sampler_ratio": float(sampler[0] / total_tokens),
                       "actor/sampler_logprob_absdiff": float(sampler[1] / total_tokens),
                       "actor/sampler_logprob_absdiff_max": float(sampler[2])}

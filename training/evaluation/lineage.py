@@ -17,7 +17,7 @@ import yaml
 
 from training.checkpoint import MANIFEST, CheckpointError, folder_hash, read_manifest
 from training.config import base_model_dir, load_params
-from training.gate import gate_text
+from training.evaluation.gate import gate_text
 from training.layout import Run
 from training.warm import parse_stage, stage_checkpoints
 
@@ -165,8 +165,9 @@ def lineage(env: str, root: Path) -> tuple[list[PhaseRecord], list[str], str]:
 
 
 def _gate_record(env: str, index: int, stages: dict[str, Any], root: Path, problems: list[str]) -> list[PhaseRecord]:
-    """Phase ``index``'s promotion gate (training.gate) as a record: parent = the phase's checkpoint, hash = the
-    checkpoint it promoted, trained = its decision with its figures; [] when the pipeline has no such gate."""
+    """Phase ``index``'s promotion gate (training.evaluation.gate) as a record: parent = the phase's checkpoint,
+    hash = the checkpoint it promoted, trained = its decision with its figures; [] when the pipeline has no such
+    gate."""
     name = f"{env}_gate_{index}"
     if name not in stages:
         return []

@@ -50,8 +50,8 @@ from envs.registry import client_class
 from envs.urls import ServerUrls
 from training.chat_format import ChatFormat, opening_messages
 from training.engines.engine import Generation, PolicyEngine, SamplingParams
-from training.rollout_async import AsyncPlay
-from training.rollout_instances import InstancePool, with_retries
+from training.rollouts.rollout_async import AsyncPlay
+from training.rollouts.rollout_instances import InstancePool, with_retries
 from training.trajectory import TERMINATIONS, Trajectory, Turn
 
 T = TypeVar("T")

@@ -19,7 +19,7 @@ from training.checkpoint import MANIFEST, read_manifest
 from training.config import PolicyServerConfig
 from training.devices import resolve_device
 from training.model import load_policy
-from training.rollout import Rollout, RolloutConfig
+from training.rollouts.rollout import Rollout, RolloutConfig
 from training.sampler import build_sampler
 
 

@@ -17,7 +17,7 @@ import datetime as dt
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envs.files import atomic_write
 from envs.paths import project_root
@@ -25,6 +25,9 @@ from training.checkpoint import CheckpointError, read_manifest
 from training.config import ConfigError, base_model_dir, curriculum_config, load_params
 from training.layout import Run
 from training.model import PRESETS
+
+if TYPE_CHECKING:
+    from training.specs import ReportSpec
 
 ENV_NAMES = {"webarena": "WebArena", "deepsearch": "Deep Search", "textcraft": "TextCraft", "babyai": "BabyAI",
              "sciworld": "SciWorld", "mixed": "Mixed (one policy over several environments)"}
@@ -73,13 +76,13 @@ def _phases(run: Path) -> list[dict[str, Any]]:
 
 
 def _lineage(env: str, root: Path) -> dict[str, Any]:
-    from training.lineage import lineage
+    from training.evaluation.lineage import lineage
 
     try:
         records, problems, revision = lineage(env, root)
     except (FileNotFoundError, LookupError) as err:
         return {"error": str(err), "records": [], "problems": [], "revision": None}
-    from training.gate import run_result
+    from training.evaluation.gate import run_result
 
     try:  # with promotion gates: the checkpoint the run hands back, and why
         result = run_result(env, root)
@@ -160,6 +163,6 @@ def render(data: dict[str, Any]) -> str:
     return TEMPLATE.read_text().replace("/*__DATA__*/null", blob)
 
 
-def write_report(envs: list[str], out: Path, root: Path | None = None) -> Path:
-    """Write the page for ``envs`` to ``out`` (atomically); returns ``out``."""
-    return atomic_write(out, render(report_data(envs, root)))
+def write_report(spec: ReportSpec) -> Path:
+    """Write the page of ``spec`` (``training.specs.report_spec``) atomically; returns its file."""
+    return atomic_write(spec.out, render(report_data(spec.envs, spec.root)))

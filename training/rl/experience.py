@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from training import advantages as adv
 from training.devices import autocast
-from training.losses import policy_forward
+from training.rl import advantages as adv
+from training.rl.losses import policy_forward
 from training.trajectory import Trajectory
 
 
@@ -71,7 +71,7 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Experience:
 def sequence_logprobs(model: torch.nn.Module, exp: Experience, temperature: float, micro_batch: int = 8,
                       precision: str = "fp32", chunk: int | None = None) -> torch.Tensor:
     """Per-token log-probs of ``exp.input_ids`` under ``model`` (no grad), in micro-batches (``chunk``: the
-    vocabulary projection so many positions at a time, see :func:`training.losses.policy_forward`)."""
+    vocabulary projection so many positions at a time, see :func:`training.rl.losses.policy_forward`)."""
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(exp), micro_batch):

@@ -5,7 +5,7 @@ Writes ``runs/<env>/eval/metrics.json`` (DVC metrics: Avg@k, Pass@k and success 
 CIs, overall and per sub-task, for each checkpoint) and ``per_item.json`` (every sample's success and
 reward, for paired comparisons). Sampling settings come from params.yaml ``eval.<profile>``. The stage's
 command, the CLI and the Prefect flow (in its own process, ``tasks.pipeline.evaluate_run``) all call
-:func:`run_eval`; :mod:`training.evaluate` does the sampling and the statistics.
+:func:`run_eval`; :mod:`training.evaluation.evaluate` does the sampling and the statistics.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from training.config import (
     train_config,
 )
 from training.engines.vllm_server import running_vllm
-from training.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
+from training.evaluation.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
 from training.layout import Run
 from training.specs import EvalSpec, eval_spec, read_promotion
 
@@ -67,7 +67,7 @@ def checkpoints(env: str, profile: str | None = None, root: Path | None = None, 
         for phase in phases:
             out[f"phase-{phase.index}"] = Run(env, root=root).final(phase.index)
             promotion = Run(env, root=root).promotion(phase.index)
-            if gated and promotion.exists():  # a retry its gate promoted (training.gate) is one of the run's too
+            if gated and promotion.exists():  # a retry its gate promoted is one of the run's too
                 decision = read_promotion(promotion)
                 if decision["decision"].startswith("retry-"):
                     out[f"gate-{phase.index}-{decision['decision']}"] = root / decision["checkpoint"]
@@ -225,7 +225,7 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
     never written anywhere. ``chat``: through an OpenAI-compatible chat API, its answers cached in
     ``runs/<env>/eval/outside/<model>.cache.jsonl`` unless ``chat.cache`` names another file. Writes and returns
     ``runs/<env>/eval/outside/<model>.json``."""
-    from training.evaluate import evaluate_outside, summarise
+    from training.evaluation.evaluate import evaluate_outside, summarise
 
     root = root or project_root()
     params = load_params(root / "params.yaml")

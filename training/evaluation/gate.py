@@ -44,7 +44,7 @@ from training.config import (
     gate_config,
     load_params,
 )
-from training.eval_stage import eval_servers, test_items
+from training.evaluation.eval_stage import eval_servers, test_items
 from training.layout import Run
 from training.specs import PhaseSpec, eval_spec, phase_spec, read_promotion
 
@@ -82,11 +82,13 @@ class GateRun:
 
     def __init__(self, env: str, index: int, root: Path, url: str, policy_url: str | None,
                  batch_items: Callable[[], int],
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, phase_h: int | None = None) -> None:
         params = load_params(root / "params.yaml")
         self.env, self.index, self.root, self.url, self.policy_url = env, index, root, url, policy_url
         self.config = gate_config(env, params=params)
         self.spec = eval_spec(env, params)  # sampled as the evaluation stage samples
+        if self.config.cap == "phase" and phase_h is not None:  # at the phase's own turn cap
+            self.spec = self.spec.model_copy(update={"h": phase_h})
         self.eval, self.h = self.spec.config, self.spec.h
         if not load_split(env, "gate", root / "data"):
             raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
@@ -119,7 +121,7 @@ class GateRun:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(cache, json.dumps(data))
         else:
-            from training.evaluate import evaluate
+            from training.evaluation.evaluate import evaluate
 
             if self.progress is not None:
                 self.progress(f"gate {self.index}: evaluating {checkpoint}")
@@ -161,7 +163,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
         return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
                                                                                       "stop": True}, summary)
     with eval_servers(env, params, eval_spec(env, params).config, url, policy_url, parent) as (base, served, batch):
-        gate = GateRun(env, index, root, base, served, batch, progress)
+        gate = GateRun(env, index, root, base, served, batch, progress, phase_h=spec.h)
         before = gate.outcomes(parent)
         first = decide(before, gate.outcomes(candidate), config)
         retries: list[dict[str, Any]] = []
@@ -173,12 +175,18 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                 chosen, decision, stop = parent, "stopped", True
             else:
                 chosen, decision = parent, "parent"
-                start, start_score = _best_start(gate, spec, before)
+                start, start_score, scored = _best_start(gate, spec, before)
+                candidates = {_rel(folder, root): value for folder, value in scored.items()}
+                if not candidates and progress is not None:  # the record says it too: intermediate_scored {}
+                    progress(f"gate {index}: no intra-phase checkpoint in {_rel(_phase_out(gate, spec), root)}"
+                             "/intermediate (the trainer's scratch space: a phase pulled from the DVC remote has "
+                             "none); the retry starts from the parent")
                 for n in range(1, config.max_retries + 1):
                     lr = spec.train.lr * config.lr_factor ** n
                     retry = _retry(spec, start, run.retries(index) / f"retry-{n}", lr, base, served)
                     verdict = decide(before, gate.outcomes(retry), config)
-                    retries.append({"retry": n, "start": _rel(start, root), "start_score": start_score, "lr": lr,
+                    retries.append({"retry": n, "start": _rel(start, root), "start_score": start_score,
+                                    "intermediate_scored": candidates, "lr": lr,
                                     "checkpoint": _rel(retry, root)} | verdict)
                     if verdict["passed"]:
                         chosen, decision = retry, f"retry-{n}"
@@ -215,18 +223,22 @@ def _write(run: Run, index: int, promotion: dict[str, Any], summary: dict[str, A
     return summary
 
 
-def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tuple[Path, float]:
+def _phase_out(gate: GateRun, spec: PhaseSpec) -> Path:
+    return spec.out if spec.out.is_absolute() else gate.root / spec.out
+
+
+def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tuple[Path, float, dict[Path, float]]:
     """Where a retry starts: the best on the gate items of the parent and the phase's kept intra-phase
-    checkpoints (ties go to the parent: the retry then re-trains the whole phase)."""
+    checkpoints (ties go to the parent: the retry then re-trains the whole phase); also each intra-phase
+    checkpoint's score (none where the phase's ``intermediate/`` is absent, as on a worker that pulled the phase)."""
     from training.checkpoint import list_checkpoints
 
-    best, score = spec.init, float(np.mean(parent_scores))
-    out = spec.out if spec.out.is_absolute() else gate.root / spec.out
-    for folder in list_checkpoints(out / "intermediate"):
-        value = float(np.mean(gate.outcomes(folder)))
+    best, score, scored = spec.init, float(np.mean(parent_scores)), {}
+    for folder in list_checkpoints(_phase_out(gate, spec) / "intermediate"):
+        scored[folder] = value = float(np.mean(gate.outcomes(folder)))
         if value > score:
             best, score = folder, value
-    return best, score
+    return best, score, scored
 
 
 def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None) -> Path:

@@ -1,6 +1,7 @@
-"""The rollout modes where trajectories move on their own (``training.rollout``): ``async`` (each trajectory's next
-generation as soon as its observation is back, batched by what is ready; trajectories admitted as the servers'
-instances free) and one thread per trajectory for a concurrent engine. A part of :class:`training.rollout.Rollout`.
+"""The rollout modes where trajectories move on their own (``training.rollouts.rollout``): ``async`` (each
+trajectory's next generation as soon as its observation is back, batched by what is ready; trajectories admitted
+as the servers' instances free) and one thread per trajectory for a concurrent engine. A part of
+:class:`training.rollouts.rollout.Rollout`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ MAX_TRAJECTORY_THREADS = 256  # trajectories in flight at once with a concurrent
 
 
 class AsyncPlay:
-    """How a :class:`~training.rollout.Rollout` plays trajectories that do not move in lock-step."""
+    """How a :class:`~training.rollouts.rollout.Rollout` plays trajectories that do not move in lock-step."""
 
     def _play_async(self, trajectories: list[Trajectory], clients: list[BaseEnvClient | None], h: int,
                     step: int) -> tuple[float, float, int]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 
-from training.advantages import masked_mean
+from training.config import LossAggregation
+from training.rl.advantages import masked_mean
 
 
 @dataclass
@@ -36,7 +37,6 @@ class ActorLoss:
     approx_kl: float
 
 
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = get_args(LossAggregation)
 
 
