@@ -119,7 +119,7 @@ def run_eval(env: str, profile: str | None = None, url: str | None = None, root:
     config = spec.config
     folders = checkpoints(env, profile, root, baseline)
     if env == MIXED:
-        result = _run_mixed_eval(params, profile, config, spec.h, url, folders, progress)
+        result = _run_mixed_eval(params, profile, spec, url, folders, progress)
     else:
         result = _run_single_eval(env, params, spec, url, folders, progress, policy_url)
     for name, folder in folders.items():
@@ -187,16 +187,17 @@ def eval_servers(env: str, params: dict[str, Any], config: Any, url: str | None,
         if config.engine == "vllm":  # one server, loaded with each checkpoint in turn
             server = policy_server_config(params)
             served = policy_url or os.environ.get("SCALINGINTER_VLLM_URL") or stack.enter_context(
-                running_vllm(first, server, server.max_len(config.context_budget or 8192, config.max_new_tokens)))
+                running_vllm(first, server, server.max_len(config.context_budget, config.max_new_tokens)))
         yield base, served, batch_items
 
 
-def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h: int, url: str | None,
+def _run_mixed_eval(params: dict[str, Any], profile: str | None, spec: EvalSpec, url: str | None,
                     folders: dict[str, Path], progress: Callable[[str], None] | None) -> dict[str, Any]:
     """The mixed run's checkpoints on every environment's own test items, each at the run's h clipped to that
     environment's cap (as in training)."""
     from envs.urls import ServerUrls
 
+    config, h = spec.config, spec.h
     if config.engine == "vllm":
         raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
     if config.sub_tasks:
@@ -210,11 +211,10 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, config: Any, h:
         urls = ServerUrls.parse(url or started, envs)
         parts = {e: (urls.replicas(e), stratified_head(load_split(e, "test"), config.items), min(h, caps.get(e) or h))
                  for e in envs}
-        return evaluate_mixed_checkpoints(folders, parts, k=config.k, temperature=config.temperature,
-                                          max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                          batch_items=config.batch_items, progress=progress,
-                                          context_budget=config.context_budget or 8192, device=config.device,
-                                          prefix_cache_gb=config.prefix_cache_gb)
+        # the spec's sampling, each environment at its own h (in parts), on this process's hf engine
+        sampling = {k: v for k, v in spec.sampling().items() if k not in ("h", "policy_server")}
+        return evaluate_mixed_checkpoints(folders, parts, batch_items=config.batch_items, progress=progress,
+                                          **sampling)
 
 
 def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path, profile: str | None = None,
@@ -238,10 +238,10 @@ def run_outside_eval(env: str, policy_url: str, model: str, tokenizer_dir: Path,
         chat = dataclasses.replace(chat, cache=path.with_suffix(".cache.jsonl"))
     with contextlib.ExitStack() as stack:
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
-        result = evaluate_outside(policy_url, model, tokenizer_dir, env, base, [r["item_id"] for r in items], h=h,
-                                  k=config.k, temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                                  seed=config.seed, batch_items=config.batch_items,
-                                  context_budget=config.context_budget or 8192, api_key=key, chat=chat)
+        # the spec's sampling but for where the model runs (the outside server) and its prefix cache
+        sampling = {k: v for k, v in spec.sampling().items() if k not in ("device", "policy_server", "prefix_cache_gb")}
+        result = evaluate_outside(policy_url, model, tokenizer_dir, env, base, [r["item_id"] for r in items],
+                                  batch_items=config.batch_items, api_key=key, chat=chat, **sampling)
     out = {"env": env, "model": model, "server": policy_url, "api": "chat" if chat else "completions",
            "h": h, "k": config.k, "temperature": config.temperature, "seed": config.seed, "items": len(items),
            **summarise(result, {r["item_id"]: r.get("sub_task", "all") for r in items})}

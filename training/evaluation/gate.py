@@ -46,7 +46,7 @@ from training.config import (
 )
 from training.evaluation.eval_stage import eval_servers, test_items
 from training.layout import Run
-from training.specs import PhaseSpec, eval_spec, phase_spec, read_promotion
+from training.specs import EvalSpec, PhaseSpec, eval_spec, phase_spec, read_promotion
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
 PROMOTION_KEYS = ("checkpoint", "hash", "decision", "stop")
@@ -82,11 +82,12 @@ class GateRun:
 
     def __init__(self, env: str, index: int, root: Path, url: str, policy_url: str | None,
                  batch_items: Callable[[], int],
-                 progress: Callable[[str], None] | None = None, phase_h: int | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, phase_h: int | None = None,
+                 spec: EvalSpec | None = None) -> None:
         params = load_params(root / "params.yaml")
         self.env, self.index, self.root, self.url, self.policy_url = env, index, root, url, policy_url
         self.config = gate_config(env, params=params)
-        self.spec = eval_spec(env, params)  # sampled as the evaluation stage samples
+        self.spec = spec or eval_spec(env, params)  # sampled as the evaluation stage samples
         if self.config.cap == "phase" and phase_h is not None:  # at the phase's own turn cap
             self.spec = self.spec.model_copy(update={"h": phase_h})
         self.eval, self.h = self.spec.config, self.spec.h
@@ -162,8 +163,9 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                    "note": "the curriculum stopped at an earlier gate; this phase trained nothing"}
         return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
                                                                                       "stop": True}, summary)
-    with eval_servers(env, params, eval_spec(env, params).config, url, policy_url, parent) as (base, served, batch):
-        gate = GateRun(env, index, root, base, served, batch, progress, phase_h=spec.h)
+    sampling = eval_spec(env, params)
+    with eval_servers(env, params, sampling.config, url, policy_url, parent) as (base, served, batch):
+        gate = GateRun(env, index, root, base, served, batch, progress, phase_h=spec.h, spec=sampling)
         before = gate.outcomes(parent)
         first = decide(before, gate.outcomes(candidate), config)
         retries: list[dict[str, Any]] = []
