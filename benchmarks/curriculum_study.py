@@ -129,16 +129,28 @@ def _dvc(workspace: Path, *args: str) -> int:
 IGNORED = "/warm-state/\n/scratch/\n"  # the SFT's optimizer state, the arms' resume checkpoints: not the record
 
 
-def _stages() -> dict[str, Any]:
-    return {"stages": {name: {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
-                       for name, stage in STAGES.items()}}
+#: the params the v2 stages also read (a v1 workspace's params.yaml has none of these keys)
+V2_PARAMS = {"warm": ["model"], "pilot": ["train.context_budget"], "warm_eval": ["train.context_budget"],
+             "train": ["eval.sampled"], "eval": ["train.context_budget"]}
+
+
+def _stages(params: dict[str, Any] | None = None) -> dict[str, Any]:
+    v2 = "model" in (params or {})
+    stages = {}
+    for name, stage in STAGES.items():
+        stage = {k: (v.format(py=sys.executable, me=SELF) if k == "cmd" else v) for k, v in stage.items()}
+        if v2:
+            stage["params"] = [*stage["params"], *V2_PARAMS.get(name, [])]
+        stages[name] = stage
+    return {"stages": stages}
 
 
 def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> None:
     """Create the study's git + DVC project with ``params`` (default PARAMS); an existing one keeps its params
     and gets this version's stages (committed when they changed)."""
     if (workspace / ".dvc").exists():
-        (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(), sort_keys=False))
+        own = yaml.safe_load((workspace / "params.yaml").read_text())
+        (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(own), sort_keys=False))
         ignore = workspace / ".gitignore"
         missing = [line for line in IGNORED.splitlines() if line not in ignore.read_text().splitlines()]
         if missing:
@@ -158,7 +170,7 @@ def init_workspace(workspace: Path, params: dict[str, Any] | None = None) -> Non
         raise SystemExit(f"dvc init failed in {workspace}")
     _dvc(workspace, "config", "core.analytics", "false")  # no report file per command left in /tmp
     (workspace / "params.yaml").write_text(yaml.safe_dump(params or PARAMS, sort_keys=False))
-    (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(), sort_keys=False))
+    (workspace / "dvc.yaml").write_text(yaml.safe_dump(_stages(params or PARAMS), sort_keys=False))
     (workspace / ".gitignore").write_text(IGNORED)
     subprocess.run(["git", "add", "-A"], cwd=workspace, check=True)
     subprocess.run(["git", "commit", "-q", "-m", "curriculum study workspace"], cwd=workspace, check=True)
@@ -256,7 +268,8 @@ def stage_pilot(params: dict[str, Any]) -> None:
     pilot, items = params["pilot"], data["held_out"][: params["pilot"]["items"]]
     folder = Path("pilot")
     folder.mkdir(exist_ok=True)
-    key = {"warm": folder_hash(Path("warm")), "items": len(items), "max_new_tokens": params["train"]["max_new_tokens"]}
+    key = {"warm": folder_hash(Path("warm")), "items": len(items), "max_new_tokens": params["train"]["max_new_tokens"],
+           **_budget(params)}
     out: dict[str, Any] = {"by_cap": {}}
     with running_server("babyai", idle_ttl_s=IDLE_TTL_S) as url:
         for h in pilot["caps"]:
@@ -266,7 +279,7 @@ def stage_pilot(params: dict[str, Any]) -> None:
                 continue
             started = time.perf_counter()
             result = evaluate(Path("warm"), "babyai", url, items, h=h, max_new_tokens=key["max_new_tokens"],
-                              batch_items=params["eval"]["batch_items"])
+                              batch_items=params["eval"]["batch_items"], **_budget(params))
             summary = _eval_summary(result, items, expert_turns)
             summary |= {"seconds": round(time.perf_counter() - started, 1), "generated_tokens": result.generated_tokens}
             del summary["per_item"]
@@ -386,7 +399,8 @@ def _dvclive_rows(folder: Path) -> list[dict[str, float]]:
 
 def stage_eval(params: dict[str, Any]) -> None:
     """The arm's final policy on every held-out item, and each phase's final (the curve) on the first
-    ``curve_items``, greedily at eval.h."""
+    ``curve_items``, greedily at eval.h; v2 (``eval.sampled``) adds the final sampled at T = 1 and a curve point
+    for every checkpoint kept during training."""
     from envs.launcher import running_server
     from training.evaluation.evaluate import evaluate
 

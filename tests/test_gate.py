@@ -239,3 +239,20 @@ def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, mon
     at_phase = GateRun("babyai", 0, root, "u", None, lambda: 1, phase_h=2)
     assert at_phase.spec.h == at_phase.settings()["h"] == 2
     assert at_phase.spec.sampling() == {**spec.sampling(), "h": 2}
+
+
+@pytest.mark.parametrize(("caps", "handed_back"), [((6, 6, 6), 0), ((2, 4, 6), 2)])
+def test_the_run_hands_back_the_best_promotion_among_gates_scored_at_one_cap(tmp_path, caps, handed_back) -> None:
+    """``run_result`` compares gate scores only where they were sampled at the same turn cap: with ``cap: final``
+    (every gate at the evaluation's cap) the best promoted checkpoint; with ``cap: phase`` at growing caps, scores
+    at h = 2 and h = 6 do not compare, and the last promotion is handed back (not gate 0's higher score at h = 2)."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")  # the smoke curriculum: three phases, gated
+    run = Run("babyai", root=tmp_path)
+    for index, (h, score) in enumerate(zip(caps, (0.9, 0.5, 0.3), strict=True)):
+        run.gate_record(index).parent.mkdir(parents=True)
+        run.gate_record(index).write_text(json.dumps({
+            "decision": "promoted", "checkpoint": f"runs/babyai/phase-{index}/final", "retries": [],
+            "phase_checkpoint": f"runs/babyai/phase-{index}/final", "candidate": score, "parent": 0.1, "h": h}))
+    result = run_result("babyai", tmp_path)
+    assert result == {"checkpoint": f"runs/babyai/phase-{handed_back}/final", "gate": handed_back,
+                      "score": (0.9, 0.5, 0.3)[handed_back], "decision": "promoted"}

@@ -2,7 +2,8 @@
 
 After phase ``k`` (stage ``<env>_gate_<k>``), its final checkpoint and its parent (the checkpoint the phase
 started from) are evaluated on the same gate items (``data/<env>/gate.json``: never trained on, apart from the
-test split), with the evaluation's engine, k, temperature, turn cap and context budget (``eval.<profile>``), and
+test split), with the evaluation's engine, k, temperature, turn cap (or the phase's own, ``gate.<profile>.cap:
+phase``) and context budget (``eval.<profile>``), and
 compared paired, per item and sample (bootstrap over items, then over each item's samples). The phase is
 promoted when it is not worse than its parent by more than ``gate.<profile>.margin`` (``rule``: on the mean
 difference, or on its whole 95% interval). Otherwise, as ``on_reject`` says:
@@ -163,9 +164,9 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                    "note": "the curriculum stopped at an earlier gate; this phase trained nothing"}
         return _write(run, index, {k: earlier[k] for k in ("checkpoint", "hash")} | {"decision": "passed-on",
                                                                                       "stop": True}, summary)
-    sampling = eval_spec(env, params)
-    with eval_servers(env, params, sampling.config, url, policy_url, parent) as (base, served, batch):
-        gate = GateRun(env, index, root, base, served, batch, progress, phase_h=spec.h, spec=sampling)
+    gate_spec = eval_spec(env, params)
+    with eval_servers(env, params, gate_spec.config, url, policy_url, parent) as (base, served, batch):
+        gate = GateRun(env, index, root, base, served, batch, progress, phase_h=spec.h, spec=gate_spec)
         before = gate.outcomes(parent)
         first = decide(before, gate.outcomes(candidate), config)
         retries: list[dict[str, Any]] = []
@@ -254,7 +255,9 @@ def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_
 def run_result(env: str, root: Path | None = None) -> dict[str, Any]:
     """The checkpoint a gated run hands back: of the checkpoints its gates promoted, the one with the best gate
     score (all are scored on the same gate items and samples; ties go to the later); ``{"checkpoint", "gate",
-    "score", "decision"}``. Ungated, the last phase's final checkpoint."""
+    "score", "decision"}``. Only scores at the last gate's turn cap compare: with ``gate.cap: phase`` each gate
+    samples at its phase's h, so a gate at another cap is left out (at growing caps: the last promotion is handed
+    back). Ungated, the last phase's final checkpoint."""
     root = root or project_root()
     params = load_params(root / "params.yaml")
     run = Run(env, root=root)
@@ -262,7 +265,7 @@ def run_result(env: str, root: Path | None = None) -> dict[str, Any]:
     if not gate_config(env, params=params).enabled:
         return {"checkpoint": str(run.final(phases[-1].index).relative_to(root)), "gate": None, "score": None,
                 "decision": "ungated"}
-    best: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] = []
     for phase in phases:
         summary_path = run.gate_record(phase.index)
         if not summary_path.exists():
@@ -274,11 +277,15 @@ def run_result(env: str, root: Path | None = None) -> dict[str, Any]:
         score = next((r["candidate"] for r in summary["retries"] if r["checkpoint"] == chosen), None)
         if score is None:
             score = summary["candidate"] if chosen == summary["phase_checkpoint"] else summary["parent"]
-        row = {"checkpoint": chosen, "gate": phase.index, "score": score, "decision": summary["decision"]}
-        if best is None or score >= best["score"]:
+        rows.append({"checkpoint": chosen, "gate": phase.index, "score": score, "decision": summary["decision"],
+                     "h": summary.get("h")})
+    assert rows  # phase 0's gate always decides
+    best: dict[str, Any] | None = None
+    for row in rows:
+        if row["h"] == rows[-1]["h"] and (best is None or row["score"] >= best["score"]):
             best = row
-    assert best is not None  # phase 0's gate always decides
-    return best
+    assert best is not None
+    return {k: v for k, v in best.items() if k != "h"}
 
 
 def describe(index: int, summary: dict[str, Any]) -> str:
