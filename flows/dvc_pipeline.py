@@ -49,7 +49,7 @@ ENV_CORE = [f"envs/{name}.py" for name in ("base", "client", "instances", "launc
 TRAIN_CODE = ["training", *ENV_CORE]
 EVAL_CODE = ["training/evaluation/evaluate.py", "training/evaluation/eval_stage.py", "training/rollouts",
              "training/trajectory.py", "training/chat_format.py", "training/sampler.py", "training/engines",
-             "training/model.py", *ENV_CORE]
+             "training/model.py", "training/specs.py", *ENV_CORE]  # specs: the settings -> the sampling arguments
 #: stage commands run the working copy's own code (``python -m``; a queued experiment's snapshot, not the
 #: editable install's checkout)
 CLI = "python -m flows.cli"

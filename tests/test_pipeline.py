@@ -389,5 +389,6 @@ def test_the_evaluation_stage_depends_on_all_the_code_that_plays_its_episodes() 
     assert not missing, f"add {missing} to flows.dvc_pipeline.EVAL_CODE"
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["babyai_eval"]
     assert set(EVAL_CODE) <= set(stage["deps"])
+    assert "training/specs.py" in stage["deps"]  # EvalSpec.sampling(): how the settings become the sampling
     envs = {f for f in played if f.startswith("envs/") and f not in no_result}
     assert envs <= set(stage["deps"]), sorted(envs - set(stage["deps"]))
