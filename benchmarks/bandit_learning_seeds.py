@@ -45,7 +45,7 @@ def main() -> None:
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL, STEPS, bandit_config
     from training.evaluation.evaluate import evaluate, paired_difference_ci
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
 
     steps = args.steps or STEPS
     scratch = Path(tempfile.mkdtemp(prefix="bandit-seeds-"))

@@ -335,9 +335,9 @@ def _arm_dir(params: dict[str, Any]) -> Path:
 def stage_train(params: dict[str, Any]) -> None:
     """The arm's phases in order, each from the previous one's final checkpoint; a killed phase resumes."""
     from envs.launcher import running_server
-    from training.config import TrainConfig
-    from training.curriculum import AdaptiveRule
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
+    from training.settings.config import TrainConfig
+    from training.settings.curriculum import AdaptiveRule
 
     arm, train = params["arm"], params["train"]
     items = _items()["grpo"]

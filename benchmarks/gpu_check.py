@@ -36,8 +36,8 @@ def training_estimate(config: dict, device: torch.device, args: argparse.Namespa
     process, float32 weights and AdamW, bf16 autocast, micro-batches of prompt + new tokens, an entropy term, no
     reference; printed beside the measured peak, so a GPU run says how far the estimate is off. Returns the
     weights the preflight counts for the shape, and the estimate by part (GiB)."""
-    from training.config import EvalConfig, PolicyServerConfig, TrainConfig
     from training.preflight import ModelShape, Plan, Pool, memory_estimate
+    from training.settings.config import EvalConfig, PolicyServerConfig, TrainConfig
 
     train = TrainConfig(micro_batch_size=args.micro_batch, context_budget=max(16, args.prompt_tokens),
                         max_new_tokens=args.new_tokens, precision="bf16", kl_coef=0.0, entropy_coef=1e-3)
@@ -53,8 +53,8 @@ def training_estimate(config: dict, device: torch.device, args: argparse.Namespa
 def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.devices import autocast, resolve_device
     from training.engines.engine import HFEngine, SamplingParams
+    from training.placement.devices import autocast, resolve_device
     from training.rl.losses import actor_loss, policy_forward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -113,7 +113,7 @@ def _prepare_textcraft() -> Path:
     import random
 
     from envs.splits import load_split
-    from training.config import SFTConfig
+    from training.settings.config import SFTConfig
     from training.warmstart.sft import expert_episodes, sft
 
     if not Path("items.json").exists():
@@ -205,8 +205,8 @@ def held_out(count: int) -> list[str]:
 def run_arm(arm: str, seed: int, h: int, steps: int, eval_items: int, url: str, docs: Path | None = None,
             sampled: bool = True) -> Path:
     """Train and evaluate one arm at one seed (nothing when its JSON exists)."""
-    from training.config import TrainConfig
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
+    from training.settings.config import TrainConfig
 
     docs = DOCS if docs is None else docs
     out = docs / f"{arm}-h{h}-t{steps}-s{seed}.json"

@@ -58,8 +58,8 @@ def _ours(model: str, steps: int, matched: bool) -> list[dict[str, float]]:
     sys.path.insert(0, str(ROOT))
     import training.rl.update as update_module
     from envs.launcher import running_server
-    from training.config import TrainConfig
-    from training.trainer import PhaseTrainer
+    from training.phases.trainer import PhaseTrainer
+    from training.settings.config import TrainConfig
 
     torch.set_num_threads(1)
     spent = {"reference": 0.0, "old_logprobs": 0.0}

@@ -33,7 +33,7 @@ COLLAPSES = {"fixed-20-s0"}
 
 def shipped_config() -> GuardConfig:
     """The guard of params.yaml's paper profile, the one a user's run has."""
-    from training.config import load_params
+    from training.settings.config import load_params
 
     return GuardConfig(**load_params()["train"]["paper"]["guard"])
 

@@ -41,9 +41,9 @@ from envs.launcher import running_server
 from envs.local import LocalEnvClient, local_client
 from envs.registry import load_backend
 from envs.splits import item_index
-from training.config import TrainConfig
 from training.evaluation.evaluate import EvalResult, evaluate, paired_difference_ci
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import TrainConfig
 from training.warmstart.sft import SFTConfig, sft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script

@@ -37,9 +37,9 @@ def main() -> None:
     from envs.splits import load_split
     from tests.conftest import build_bandit_warm_start, build_test_model
     from tests.test_learning import EVAL
-    from training.config import SFTConfig
     from training.evaluation.evaluate import evaluate, paired_difference_ci
     from training.lora import LoraSettings
+    from training.settings.config import SFTConfig
     from training.warmstart.dpo import DPOConfig, dpo, preference_pairs
     from training.warmstart.rft import RFTConfig, rft, sample
 

@@ -53,8 +53,8 @@ def main() -> None:
 
     from envs.launcher import running_server
     from flows.scalinginter_flow import scalinginter
-    from training.config import curriculum_config, train_config
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
+    from training.settings.config import curriculum_config, train_config
 
     result = scalinginter(env=args.env, profile="smoke")
     stage = [row["task_seconds"] for row in result["phases"]]

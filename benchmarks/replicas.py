@@ -146,11 +146,11 @@ def policy_async_vs_lockstep(args: argparse.Namespace) -> None:
     from benchmarks import tiny_model
     from envs.launcher import running_replicas
     from envs.splits import load_split
-    from training.config import PolicyServerConfig
     from training.engines.vllm_engine import VLLMEngine
     from training.engines.vllm_server import running_vllm
     from training.model import load_policy
     from training.rollouts.rollout import Rollout, RolloutConfig
+    from training.settings.config import PolicyServerConfig
 
     model_dir = tiny_model()
     _, tokenizer = load_policy(model_dir)

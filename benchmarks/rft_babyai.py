@@ -93,8 +93,8 @@ def main() -> None:
     from envs.files import atomic_write
     from envs.launcher import running_server
     from training.checkpoint import read_manifest
-    from training.config import SFTConfig
     from training.evaluation.evaluate import evaluate, paired_difference_ci
+    from training.settings.config import SFTConfig
     from training.warmstart.rft import RFTConfig, rft
 
     tasks = {"study": study_task, "goto-h1": goto_h1_task, "study-h1": study_h1_task}

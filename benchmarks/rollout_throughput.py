@@ -22,7 +22,7 @@ from envs.splits import load_split
 from training.engines.engine import HFEngine, SamplingParams
 from training.model import load_policy
 from training.rollouts.rollout import Rollout, RolloutConfig
-from training.warm import PREFIX_CACHE_GB
+from training.settings.warm import PREFIX_CACHE_GB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` when run as a script
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from training.devices import autocast
 from training.model import load_policy
+from training.placement.devices import autocast
 from training.rl.advantages import masked_mean
 from training.rl.losses import actor_loss, policy_forward, token_logprobs
 

@@ -22,7 +22,7 @@ Stages (``--stage``; ``all`` runs them in this order, each skipped when its outp
            expert's episodes of the first --sft-episodes h=1 GoTo items of the pool (indices 2000-49999); the GRPO
            items are the next steps x 8 h=1 items of the pool, in the order this project's DataStream takes them;
            the held-out items are the first --held h=1 GoTo items of 900-1999, then 50000 on.
-  trainer  (project venv) ``training.trainer.train_phase`` at h=1 -> runs/trl-h1/trainer.
+  trainer  (project venv) ``training.phases.trainer.train_phase`` at h=1 -> runs/trl-h1/trainer.
   trl      (runs itself with .venv-trl/bin/python) ``trl.GRPOTrainer`` -> runs/trl-h1/trl/final; the prompt is the
            chat-template rendering of the rollout's opening (instruction, acknowledgement, first observation)
            with the generation prompt, given as a plain string; the reward is the BabyAI outcome of the reply
@@ -89,7 +89,7 @@ def _threads() -> None:
 
 
 def train_config(items: list[str], args: argparse.Namespace):
-    from training.config import TrainConfig
+    from training.settings.config import TrainConfig
 
     return TrainConfig(items=items, batch_items=8, n_samples=4, lr=args.lr, max_new_tokens=24, temperature=1.0,
                        mini_batch_size=32, micro_batch_size=16, skip_flat_steps=True, drop_flat_groups=False,
@@ -105,8 +105,8 @@ def stage_prep(args: argparse.Namespace) -> None:
     from envs.registry import load_backend
     from envs.splits import item_index
     from training.chat_format import ChatFormat, opening_messages
-    from training.data import DataStream
     from training.model import load_policy
+    from training.phases.data import DataStream
     from training.warmstart.sft import SFTConfig, sft
 
     items_file = RUNS / "items.json"
@@ -165,7 +165,7 @@ def stage_prep(args: argparse.Namespace) -> None:
 def stage_trainer(args: argparse.Namespace) -> None:
     from benchmarks.curriculum_study import _dvclive_rows
     from envs.launcher import running_server
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
 
     data = _items(args)
     runs, _ = out_dirs(args)
@@ -276,7 +276,7 @@ def stage_eval(args: argparse.Namespace) -> None:
         after = [float(results[name][i]) for i in held]
         diff, low, high = paired_difference_ci(warm, after)
         _write(docs / f"{name}.json", common | {
-            "trainer": ("training.trainer.train_phase" if name == "trainer"
+            "trainer": ("training.phases.trainer.train_phase" if name == "trainer"
                         else f"trl.GRPOTrainer {curve['trl_version']}"),
             "wall_seconds_train": curve["wall_seconds"], "curve": curve["rows"],
             **({"trl_logs": curve["trl_logs"]} if name == "trl" else {}),

@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from training.chat_format import ChatFormat
-    from training.config import PolicyServerConfig
     from training.engines.engine import HFEngine, SamplingParams
     from training.engines.vllm_engine import VLLMEngine
     from training.engines.vllm_server import running_vllm
     from training.engines.weight_sync import WeightChannel, WeightSync, probe_sequence
     from training.model import load_policy
+    from training.settings.config import PolicyServerConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))

@@ -11,7 +11,7 @@ its train and test items, or, where the split's index space is set here (BabyAI'
 indices after it. An environment with no item to spare (WebArena's 33 tasks) has an empty gate split.
 
 The warm items (``warm.json``) are demonstration items for a warm start (``split: warm`` of a warm-start stage,
-``training.warm``): :data:`WARM_ITEMS` indices after the gate's, where the environment generates items without
+``training.settings.warm``): :data:`WARM_ITEMS` indices after the gate's, where the environment generates items without
 end (BabyAI's levels), so a warm start can learn from many more expert episodes than the training split holds
 without touching an evaluated item. Every other environment has an empty warm split.
 """

@@ -143,8 +143,8 @@ def curriculum(
     """Print h(t) or the phase table of the recurrence, or ENV's configured phases from params.yaml."""
     from rich.table import Table
 
-    from training.config import ConfigError, curriculum_config, load_params
-    from training.curriculum import horizon, recurrence_phases
+    from training.settings.config import ConfigError, curriculum_config, load_params
+    from training.settings.curriculum import horizon, recurrence_phases
 
     recurrence = (cap, h1, delta_h, every)
     try:
@@ -197,8 +197,8 @@ def build_model(
     random Qwen2), or a hub preset's weights and tokenizer written once (needs the hub, or its cache)."""
     from pathlib import Path
 
-    from training.layout import base_model
     from training.model import build_base
+    from training.settings.layout import base_model
 
     try:
         console.print(build_base(preset, Path(out) if out else base_model(preset), seed, Path(corpus)))
@@ -240,13 +240,13 @@ def train_phase_cmd(
     machines, SCALINGINTER_NNODES with SCALINGINTER_RDZV_ENDPOINT (the same command on every node)."""
     from pathlib import Path
 
-    from training.config import ConfigError, base_model_dir, load_params
-    from training.phase import run_phase
-    from training.specs import build_phase_spec
-    from training.strategy import exit_rank
+    from training.phases.phase import run_phase
+    from training.placement.strategy import exit_rank
+    from training.settings.config import ConfigError, base_model_dir, load_params
+    from training.settings.specs import build_phase_spec
 
     check_envs(env)
-    from training.devices import DeviceError, launcher_args
+    from training.placement.devices import DeviceError, launcher_args
 
     try:
         launch = launcher_args()
@@ -284,8 +284,8 @@ def gate_cmd(
     """Promotion gate of phase PHASE (stage ENV_gate_PHASE): the phase's final checkpoint against its parent on the
     gate items; writes runs/ENV/gate-PHASE/promotion.json (what the next phase starts from) and summary.json.
     Settings: params.yaml ``gate.<profile>`` (margin, rule, on_reject ...) and ``eval.<profile>`` (how it samples)."""
-    from training.config import ConfigError
     from training.evaluation.gate import describe, run_gate
+    from training.settings.config import ConfigError
 
     check_env(env)
     try:
@@ -312,9 +312,9 @@ def check_cmd(
     capacity against the concurrent episodes, ranks against devices, an estimate of per-device memory and the
     installed versions, from the settings and the model's config.json alone (nothing loaded, nothing started).
     Exit 1 when a check fails; each failure names the setting to change and a value that would pass."""
-    from training.config import ConfigError
-    from training.devices import DeviceError
+    from training.placement.devices import DeviceError
     from training.preflight import plan, preflight
+    from training.settings.config import ConfigError
 
     check_envs(env)
     try:
@@ -365,7 +365,7 @@ def exp_run(
 
     from envs.paths import project_root
     from flows.dvc_pipeline import set_params, write
-    from training.config import ConfigError
+    from training.settings.config import ConfigError
 
     root = project_root()
     files = {name: (root / name).read_text() for name in ("params.yaml", "phases.yaml", "dvc.yaml")}
@@ -402,7 +402,7 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from flows.scalinginter_flow import scalinginter
-    from training.config import ConfigError
+    from training.settings.config import ConfigError
 
     check_envs(env)
     if record not in ("commit", "exp", "none"):

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from envs.registry import SERVED, TESTING, UnknownEnvironmentError
-from training.config import MIXED
+from training.settings.config import MIXED
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ScalingInter-RL agent training pipeline.")
 console = Console()
@@ -28,7 +28,7 @@ def fail(message: str) -> None:
 
 def check_envs(env: str) -> list[str]:
     """The environments of ``env`` (one, or several joined by commas), each checked."""
-    from training.config import mixed_envs
+    from training.settings.config import mixed_envs
 
     try:
         envs = mixed_envs(env)
@@ -46,13 +46,13 @@ def check_env(env: str) -> None:
         fail(str(UnknownEnvironmentError(f"unknown environment {env!r}: choose one of {', '.join(SERVED)}")))
 
 def profile() -> str:
-    from training.config import load_params
+    from training.settings.config import load_params
 
     return str(load_params().get("curriculum", {}).get("profile", "smoke"))
 
 def device_here(name: str) -> str:
     """``name`` if that device is here, else a clear error before any work."""
-    from training.devices import DeviceError, resolve_device
+    from training.placement.devices import DeviceError, resolve_device
 
     try:
         resolve_device(name)

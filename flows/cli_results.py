@@ -38,8 +38,8 @@ def lineage(env: EnvArg) -> None:
                       fmt.get("reward/mean", "-"), fmt.get("success/rate", "-"),
                       "-" if wall is None else f"{float(wall):.0f}", r.trained)
     console.print(table)
-    from training.config import ConfigError
     from training.evaluation.gate import run_result
+    from training.settings.config import ConfigError
 
     try:
         result = run_result(env, project_root())
@@ -68,7 +68,7 @@ def export(
 
     from flows.export import export_phase, export_result
     from training.checkpoint import CheckpointError
-    from training.config import ConfigError
+    from training.settings.config import ConfigError
 
     check_env(env)
     try:
@@ -93,9 +93,9 @@ def eval_cmd(
     """Evaluate the base model and every phase checkpoint of ENV: Avg@k, Pass@k, success, per sub-task."""
     from rich.table import Table
 
-    from training.config import ConfigError
     from training.evaluation.eval_stage import run_eval
-    from training.layout import Run
+    from training.settings.config import ConfigError
+    from training.settings.layout import Run
 
     check_env(env)
     try:
@@ -139,11 +139,11 @@ def eval_outside_cmd(
     for no answer twice."""
     from pathlib import Path
 
-    from training.config import ConfigError, base_model_dir, load_params
     from training.engines.engine import EngineError
     from training.evaluation.eval_stage import run_outside_eval
     from training.evaluation.evaluate import ChatSettings
-    from training.layout import Run
+    from training.settings.config import ConfigError, base_model_dir, load_params
+    from training.settings.layout import Run
 
     check_env(env)
     if api not in ("completions", "chat"):
@@ -179,9 +179,9 @@ def report(
     from pathlib import Path
 
     from envs.paths import project_root
-    from training.config import ConfigError
     from training.evaluation.report import write_report
-    from training.specs import report_spec
+    from training.settings.config import ConfigError
+    from training.settings.specs import report_spec
 
     try:
         spec = report_spec(envs, project_root(), Path(out) if out else None)

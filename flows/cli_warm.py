@@ -10,7 +10,7 @@ import typer
 from pydantic import BaseModel
 
 from flows.cli_common import DeviceOpt, EnvArg, app, check_env, console, device_here, fail, pairs
-from training.warm import PREFIX_CACHE_HELP, DPOStage, RFTStage, SFTStage
+from training.settings.warm import PREFIX_CACHE_HELP, DPOStage, RFTStage, SFTStage
 
 
 def _default(stage: type[BaseModel], name: str) -> Any:
@@ -35,8 +35,8 @@ def warm_stage_cmd(
     from pathlib import Path
 
     from envs.paths import project_root
-    from training.config import ConfigError, load_params, server_config
-    from training.specs import warm_spec
+    from training.settings.config import ConfigError, load_params, server_config
+    from training.settings.specs import warm_spec
     from training.warmstart.methods import run_warm_stage
 
     check_env(env)
@@ -61,8 +61,8 @@ def _warm_command(env: str, method: str, init: str | None, out: str, device: str
     stage folder ``out``; returns the checkpoints it wrote."""
     from pathlib import Path
 
-    from training.config import base_model_dir, load_params, server_config
-    from training.warm import parse_stage, stage_checkpoints
+    from training.settings.config import base_model_dir, load_params, server_config
+    from training.settings.warm import parse_stage, stage_checkpoints
     from training.warmstart.methods import run_warm_stage
 
     check_env(env)

@@ -31,7 +31,9 @@ def cli_markdown() -> str:
 
 def _sections() -> list[tuple[str, str, type[BaseModel]]]:
     """(where in params.yaml, title, model) for every settings model a user writes."""
-    from training.config import (
+    from training.guard import GuardConfig
+    from training.lora import LoraSettings
+    from training.settings.config import (
         EvalConfig,
         GateConfig,
         MixShare,
@@ -40,10 +42,8 @@ def _sections() -> list[tuple[str, str, type[BaseModel]]]:
         ServerConfig,
         TrainConfig,
     )
-    from training.curriculum import AdaptiveRule, CurriculumConfig
-    from training.guard import GuardConfig
-    from training.lora import LoraSettings
-    from training.warm import DPOStage, RFTStage, SFTStage
+    from training.settings.curriculum import AdaptiveRule, CurriculumConfig
+    from training.settings.warm import DPOStage, RFTStage, SFTStage
 
     return [
         ("curriculum.<env>.profiles.<profile>", "The curriculum of one environment and profile", CurriculumConfig),

@@ -15,9 +15,9 @@ from typing import Any
 
 from envs.paths import project_root
 from training.checkpoint import MANIFEST, model_card, read_manifest, replace_folder
-from training.config import ConfigError, curriculum_config, load_params
 from training.evaluation.gate import run_result
-from training.layout import Run
+from training.settings.config import ConfigError, curriculum_config, load_params
+from training.settings.layout import Run
 
 
 def _last_step(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:

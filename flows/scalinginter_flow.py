@@ -43,7 +43,10 @@ from tasks.pipeline import (
     version,
     write_data_splits,
 )
-from training.config import (
+from training.evaluation.evaluate import closing_line
+from training.evaluation.gate import describe, run_result
+from training.preflight import plan, require
+from training.settings.config import (
     MIXED,
     ConfigError,
     curriculum_config,
@@ -56,11 +59,8 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.evaluation.evaluate import closing_line
-from training.evaluation.gate import describe, run_result
-from training.layout import Run
-from training.preflight import plan, require
-from training.warm import pipeline_stages
+from training.settings.layout import Run
+from training.settings.warm import pipeline_stages
 
 
 def _markdown(env: str, profile: str, rows: list[dict[str, Any]], evaluation: dict[str, Any], report: Path,

@@ -16,11 +16,11 @@ from envs.launcher import start_server, stop_server
 from envs.paths import project_root
 from tasks.stages import Outcome, run_command, run_stage
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params
-from training.layout import Run
-from training.phase import run_phase as train_one_phase
-from training.specs import phase_spec, warm_spec
-from training.warm import checkpoint_of
+from training.phases.phase import run_phase as train_one_phase
+from training.settings.config import PolicyServerConfig, ServerConfig, base_model_dir, load_params
+from training.settings.layout import Run
+from training.settings.specs import phase_spec, warm_spec
+from training.settings.warm import checkpoint_of
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, secret: bool = False) -> str:
@@ -219,7 +219,7 @@ def evaluate_run(env: str, url: str, policy_url: str | None = None) -> dict:
 def build_report(env: str) -> Path:
     """Run (or skip) the report stage, in this process when only it is stale; returns the HTML page."""
     from training.evaluation.report import write_report
-    from training.specs import report_spec
+    from training.settings.specs import report_spec
 
     _say(f"{env}_report", run_stage(project_root(), f"{env}_report",
                                     work=lambda: write_report(report_spec([env], Path(".")))))

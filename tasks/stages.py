@@ -56,7 +56,7 @@ def run_stage(root: Path, stage: str, url: str | None = None, work: Callable[[],
     stage that needs no server: the base model, the report)."""
     from dvc.repo import Repo
 
-    from training.devices import launcher_args
+    from training.placement.devices import launcher_args
 
     with Repo(str(root)) as repo:
         stale = set(repo.status(targets=[stage], with_deps=True))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.config import ConfigError, train_config
+from training.settings.config import ConfigError, train_config
 
 
 @pytest.mark.parametrize(("env", "lr", "n"), [("webarena", 5e-7, 4), ("deepsearch", 1e-6, 8), ("textcraft", 1e-6, 8),

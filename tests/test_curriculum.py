@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from flows.cli import app
-from training.config import curriculum_config
-from training.curriculum import (
+from training.settings.config import curriculum_config
+from training.settings.curriculum import (
     AdaptiveRule,
     CurriculumConfig,
     adaptive_advance,

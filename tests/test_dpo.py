@@ -12,9 +12,9 @@ import pytest
 
 from envs.launcher import ROOT
 from training.checkpoint import folder_hash, read_manifest
-from training.devices import resolve_device
 from training.evaluation.evaluate import evaluate
 from training.model import load_policy
+from training.placement.devices import resolve_device
 from training.trajectory import Trajectory
 from training.warmstart.dpo import DPOConfig, dpo, margins, preference_pairs
 from training.warmstart.rft import RFTConfig, sample

@@ -79,9 +79,9 @@ def test_the_prefix_cache_changes_no_outcome_and_skips_the_repeated_prefill(env_
 def test_evaluation_takes_trainings_context_budget_and_the_placements_device(env_server, bandit_warm_start,
                                                                               monkeypatch) -> None:
     from envs.splits import load_split
-    from training.config import eval_config, load_params, train_config
-    from training.devices import DeviceError
     from training.evaluation.evaluate import evaluate
+    from training.placement.devices import DeviceError
+    from training.settings.config import eval_config, load_params, train_config
 
     params = load_params()
     assert eval_config("babyai", "smoke", params).context_budget == train_config("babyai", "smoke",
@@ -142,8 +142,8 @@ def test_the_closing_line_compares_the_last_phase_with_the_warm_start_paired() -
 
 def test_eval_sub_tasks_choose_the_test_and_gate_items_and_an_unknown_one_names_the_key() -> None:
     from envs.splits import load_split
-    from training.config import ConfigError, EvalConfig
     from training.evaluation.eval_stage import test_items
+    from training.settings.config import ConfigError, EvalConfig
 
     every = test_items("babyai", EvalConfig(items=12))
     assert len({r["sub_task"] for r in every}) > 1  # round-robin over the sub-tasks

@@ -10,10 +10,10 @@ from envs.splits import load_split
 from flows.export import export_phase
 from tests.test_trainer import CONFIG
 from training.checkpoint import read_manifest
-from training.config import ConfigError
 from training.evaluation.evaluate import evaluate_checkpoints
-from training.layout import Run
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import ConfigError
+from training.settings.layout import Run
 
 
 def test_export_hands_on_the_model_with_its_evaluation(env_server, tiny_model_dir, tmp_path) -> None:

@@ -19,11 +19,11 @@ import yaml
 
 from flows.dvc_pipeline import render
 from flows.export import export_phase, export_result
-from training.config import ConfigError, GateConfig, load_params
 from training.evaluation.gate import decide, paired_interval, run_gate, run_result
 from training.evaluation.lineage import lineage
-from training.layout import Run
-from training.specs import phase_spec
+from training.settings.config import ConfigError, GateConfig, load_params
+from training.settings.layout import Run
+from training.settings.specs import phase_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def _bandit_workspace(tmp_path: Path, warm: Path, on_reject: str, lrs: list[floa
 
 
 def _phase(root: Path, index: int, lr: float, url: str) -> None:
-    from training.phase import run_phase
+    from training.phases.phase import run_phase
 
     spec = phase_spec("bandit", index, root)
     spec = spec.model_copy(update={"train": spec.train.model_copy(update={"lr": lr})})
@@ -185,13 +185,13 @@ def test_gate_stages_carry_their_params_and_the_next_phase_depends_on_the_promot
 
 def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, monkeypatch) -> None:
     """One door: the promotion gate and the evaluation stage call the sampler with the same arguments, built once
-    by ``training.specs.eval_spec`` from the same settings (here an eval section that sets k, temperature and
+    by ``training.settings.specs.eval_spec`` from the same settings (here an eval section that sets k, temperature and
     seed and leaves the context budget to training's), and differ only in their items."""
     import training.evaluation.eval_stage as eval_stage
     import training.evaluation.evaluate as evaluate_module
-    from training.config import parse_params
     from training.evaluation.gate import GateRun
-    from training.specs import eval_spec
+    from training.settings.config import parse_params
+    from training.settings.specs import eval_spec
 
     root = tmp_path / "work"
     shutil.copytree(Path(__file__).resolve().parent.parent / "data", root / "data")

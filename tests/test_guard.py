@@ -9,10 +9,10 @@ import json
 import pytest
 
 from training.checkpoint import read_manifest
-from training.config import TrainConfig
 from training.evaluation.lineage import PhaseRecord
 from training.guard import Guard, GuardConfig, GuardEvent, lr_scale
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import TrainConfig
 
 HEALTHY = {"actor/kl": 0.01, "actor/grad_norm": 5.0, "actor/entropy": 1.0, "rollout/invalid_actions": 0.1,
            "rollout/trajectories": 8.0, "env/errors": 0.0, "rollout/termination/turn_cap": 2.0, "reward/mean": 0.6}

@@ -16,9 +16,9 @@ import pytest
 
 from envs.splits import load_split
 from tests.conftest import bandit_conversation
-from training.config import TrainConfig
 from training.evaluation.evaluate import evaluate, paired_difference_ci
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import TrainConfig
 from training.warmstart.sft import to_trajectory
 
 EVAL = {"h": 1, "k": 8, "temperature": 1.0, "max_new_tokens": 16}  # 16 items x 8 samples

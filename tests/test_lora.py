@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from tests.conftest import bandit_conversation
 from training.checkpoint import read_manifest
-from training.config import SFTConfig
 from training.lora import LoraSettings, trainable, with_lora
 from training.model import load_policy
+from training.settings.config import SFTConfig
 from training.warmstart.sft import sft
 
 
@@ -55,7 +55,7 @@ def test_an_rl_phase_with_lora_trains_adapters_only_and_resumes_bitwise(env_serv
 
     from tests.test_trainer import CONFIG
     from training.checkpoint import CheckpointError
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
 
     config = CONFIG.model_copy(update={"sub_tasks": None, "batch_items": 4, "max_new_tokens": 16, "lr": 2e-3,
                                        "lora": LoraSettings(r=4, alpha=8), "save_every": 1, "keep_checkpoints": 3})

@@ -16,12 +16,12 @@ from envs.launcher import ROOT, start_server, stop_server
 from envs.splits import load_split
 from envs.urls import ServerUrls
 from training.checkpoint import checkpoint_hash, read_manifest
-from training.config import MixShare, TrainConfig
-from training.data import MixedData
 from training.evaluation.evaluate import evaluate
-from training.mixed import allocation, shares
+from training.phases.data import MixedData
+from training.phases.mixed import allocation, shares
+from training.phases.trainer import PhaseTrainer, train_phase
 from training.sampler import EnvironmentFailure
-from training.trainer import PhaseTrainer, train_phase
+from training.settings.config import MixShare, TrainConfig
 
 ENVS = "babyai,textcraft,deepsearch"
 CONFIG = TrainConfig(batch_items=4, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=8, micro_batch_size=4,

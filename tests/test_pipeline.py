@@ -17,8 +17,8 @@ import yaml
 
 from envs.launcher import ROOT
 from flows.dvc_pipeline import check, render
-from training.config import curriculum_config, load_params
-from training.specs import start_checkpoint
+from training.settings.config import curriculum_config, load_params
+from training.settings.specs import start_checkpoint
 
 
 def _resolved(params: dict, folder: Path) -> dict[str, dict]:
@@ -324,7 +324,7 @@ def test_one_run_at_a_time_holds_a_working_copy(tmp_path) -> None:
     """Two flow runs in one working copy would share dvc.lock, the git index and the run folders: the second
     fails at once, naming the lock; another working copy is not held."""
     from flows.scalinginter_flow import working_copy_lock
-    from training.config import ConfigError
+    from training.settings.config import ConfigError
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from flows.scalinginter_flow import working_copy_lock\n"
@@ -389,6 +389,6 @@ def test_the_evaluation_stage_depends_on_all_the_code_that_plays_its_episodes() 
     assert not missing, f"add {missing} to flows.dvc_pipeline.EVAL_CODE"
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["babyai_eval"]
     assert set(EVAL_CODE) <= set(stage["deps"])
-    assert "training/specs.py" in stage["deps"]  # EvalSpec.sampling(): how the settings become the sampling
+    assert "training/settings/specs.py" in stage["deps"]  # EvalSpec.sampling(): how the settings become the sampling
     envs = {f for f in played if f.startswith("envs/") and f not in no_result}
     assert envs <= set(stage["deps"]), sorted(envs - set(stage["deps"]))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from envs.launcher import ROOT
-from training.config import load_params
 from training.preflight import POOLS, ModelShape, model_shape, plan, preflight
+from training.settings.config import load_params
 
 QWEN3B = "qwen2.5-3b-instruct"
 
@@ -112,9 +112,9 @@ def test_scalinginter_check_exits_1_naming_the_fix_and_0_when_it_fits() -> None:
 
 def test_a_phase_resolves_the_pools_device_in_process_as_in_a_subprocess(monkeypatch) -> None:
     """SCALINGINTER_DEVICE places the phase trained in process (the pipeline's path) as it does the CLI's and the
-    evaluation's: one reader (training.devices.placement), applied by the one settings builder."""
-    from training.config import eval_config, train_config
-    from training.specs import phase_spec
+    evaluation's: one reader (training.placement.devices.placement), applied by the one settings builder."""
+    from training.settings.config import eval_config, train_config
+    from training.settings.specs import phase_spec
 
     monkeypatch.setenv("SCALINGINTER_DEVICE", "cuda:0")
     assert phase_spec("babyai", 0, ROOT).train.device == "cuda:0"
@@ -125,8 +125,8 @@ def test_a_phase_resolves_the_pools_device_in_process_as_in_a_subprocess(monkeyp
 
 
 def test_each_rank_gets_its_own_device_and_the_torch_strategy_refuses_several(monkeypatch) -> None:
-    from training.devices import DeviceError, rank_device, rank_device_name, replica_placement
-    from training.strategy import make_strategy
+    from training.placement.devices import DeviceError, rank_device, rank_device_name, replica_placement
+    from training.placement.strategy import make_strategy
 
     assert rank_device_name("cuda", 3, 8, 8) == "cuda:3"
     assert rank_device_name("npu:0", 5, 8, 8) == "npu:5"  # an index in the setting names the kind only
@@ -135,7 +135,7 @@ def test_each_rank_gets_its_own_device_and_the_torch_strategy_refuses_several(mo
     with pytest.raises(DeviceError, match="SCALINGINTER_NPROC to at most 2"):
         rank_device_name("cuda", 2, 4, 2)
     # the launcher: alone, one node of ranks, or nodes meeting at a rendezvous (which must be given)
-    from training.devices import launcher_args
+    from training.placement.devices import launcher_args
 
     assert launcher_args() == []
     monkeypatch.setenv("SCALINGINTER_NPROC", "8")
@@ -157,7 +157,7 @@ def test_each_rank_gets_its_own_device_and_the_torch_strategy_refuses_several(mo
     with pytest.raises(ValueError, match="strategy torch trains in one process, but 2 ranks"):
         make_strategy("torch", model, torch.optim.AdamW(model.parameters()), 1.0)
     # a policy server on a device of its own comes after the training ranks' devices (a simulated 8-GPU list)
-    import training.devices as devices
+    import training.placement.devices as devices
 
     monkeypatch.setattr(devices, "resolve_device", lambda name="auto": torch.device("cuda"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
@@ -171,7 +171,7 @@ RANK_SCRIPT = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-import training.devices as devices
+import training.placement.devices as devices
 
 # a simulated node of 2 CUDA devices: the device module's counters and set_device stand in for the driver's
 chosen = []

@@ -21,11 +21,11 @@ import pytest
 from envs.launcher import ROOT, start_server, stop_server
 from envs.paths import scratch_dir
 from training.checkpoint import MANIFEST, CheckpointError
-from training.config import TrainConfig
-from training.phase_files import remove_stale_staging
+from training.phases.phase_files import remove_stale_staging
+from training.phases.trainer import PhaseTrainer, train_phase
 from training.rollouts.rollout import RolloutResult, rollout_stats, write_rollout_log
 from training.sampler import EnvironmentFailure
-from training.trainer import PhaseTrainer, train_phase
+from training.settings.config import TrainConfig
 from training.trajectory import Trajectory
 
 CONFIG = TrainConfig(batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-4, mini_batch_size=4, micro_batch_size=4,
@@ -125,7 +125,7 @@ def test_a_killed_parent_takes_its_env_server_along(tmp_path) -> None:
 
 def test_sft_leaves_out_over_long_episodes_with_a_count(tiny_model_dir, tmp_path) -> None:
     from training.checkpoint import read_manifest
-    from training.config import SFTConfig
+    from training.settings.config import SFTConfig
     from training.warmstart.sft import sft
 
     def episode(turns: int) -> list[dict[str, str]]:

@@ -113,8 +113,8 @@ def test_every_door_of_the_report_writes_the_same_spec(monkeypatch, tmp_path) ->
     import tasks.pipeline
     import training.evaluation.report as report_module
     from flows.cli import app
-    from training.config import ConfigError
-    from training.specs import report_spec
+    from training.settings.config import ConfigError
+    from training.settings.specs import report_spec
 
     written = []
     monkeypatch.setattr(report_module, "write_report", lambda spec: written.append(spec) or spec.out)

@@ -13,8 +13,8 @@ import pytest
 
 from envs.launcher import ROOT
 from training.checkpoint import checkpoint_hash, folder_hash, read_manifest
-from training.config import SFTConfig
 from training.evaluation.evaluate import evaluate
+from training.settings.config import SFTConfig
 from training.store import read_episodes, training_conversation
 from training.trajectory import Trajectory
 from training.warmstart.rft import RFTConfig, rft, select
@@ -135,7 +135,7 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
     assert manifest["episodes"] == len(records) and manifest["sources"][0]["sha256"] == sources[0]["sha256"]
     assert manifest["recorded_token_ids"] == len(records)  # trained on the very tokens sampled, not re-encoded
     # a warm-start stage of the pipeline can train on the same records (`recorded:` in params.yaml)
-    from training.warm import parse_stage
+    from training.settings.warm import parse_stage
     from training.warmstart.methods import run_warm_stage
 
     stage = parse_stage({"method": "sft", "recorded": [str(tmp_path / "rft" / "round-0.jsonl")], "epochs": 1})

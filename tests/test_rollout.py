@@ -15,9 +15,9 @@ from envs.local import local_client
 from envs.registry import expert
 from envs.splits import item_index, load_split
 from training.chat_format import ChatFormat, opening_messages
-from training.config import curriculum_config
 from training.engines.engine import Generation, HFEngine, ScriptedEngine
 from training.rollouts.rollout import Rollout, RolloutConfig
+from training.settings.config import curriculum_config
 
 
 def _engine(policy) -> HFEngine:
@@ -521,9 +521,9 @@ def test_a_phase_started_without_a_url_spreads_over_env_server_replicas(tiny_mod
     rollout log says which held each trajectory), and all of them are stopped afterwards."""
     import psutil
 
-    from training.config import ServerConfig, TrainConfig
-    from training.phase import run_phase
-    from training.specs import PhaseSpec
+    from training.phases.phase import run_phase
+    from training.settings.config import ServerConfig, TrainConfig
+    from training.settings.specs import PhaseSpec
 
     def servers() -> set[int]:  # this process's own (another xdist worker starts servers of its own meanwhile)
         return {p.pid for p in psutil.Process().children(recursive=True) if "envs.server" in " ".join(p.cmdline())}

@@ -13,13 +13,13 @@ import pytest
 from envs.launcher import ROOT
 from training.chat_format import ChatFormat
 from training.checkpoint import read_manifest
-from training.config import PolicyServerConfig, TrainConfig
 from training.engines.engine import SamplingParams
 from training.engines.vllm_engine import VLLMEngine
 from training.engines.vllm_server import running_vllm
 from training.engines.weight_sync import WeightSync, probe_sequence, weights_hash
 from training.model import load_policy
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import PolicyServerConfig, TrainConfig
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from envs.launcher import ROOT
-from training.devices import DeviceError, distributed_backend, resolve_device
-from training.strategy import exit_rank
+from training.placement.devices import DeviceError, distributed_backend, resolve_device
+from training.placement.strategy import exit_rank
 
 EXTENSIONS = ROOT / ".cache" / "torch_extensions"  # DeepSpeed's JIT-built ops, kept between runs
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.strategy import exit_rank
+from training.placement.strategy import exit_rank
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")

@@ -17,8 +17,8 @@ import torch
 
 from envs.launcher import ROOT, running_server
 from training.checkpoint import CheckpointError, checkpoint_hash, read_manifest, state_folder
-from training.config import TrainConfig
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import TrainConfig
 
 FAST = ["--set", "batch_items=2", "--set", "n_samples=2", "--set", "max_new_tokens=8", "--set", "lr=0.0001",
         "--set", "mini_batch_size=2", "--set", "micro_batch_size=2", "--set", 'sub_tasks=["GoTo"]']
@@ -167,7 +167,7 @@ def test_a_phase_logs_metrics_rollouts_and_its_cost(env_server, tiny_model_dir, 
 def test_a_step_larger_than_the_server_trains_with_asynchronous_rollouts(tiny_model_dir, tmp_path) -> None:
     """A server that holds 3 instances and a step of 2 items x 2 samples: lock-step refuses before rolling out
     (naming the way out), rollout_mode async admits the fourth trajectory when one ends and trains."""
-    from training.trainer import CapacityConfigError
+    from training.phases.trainer import CapacityConfigError
 
     with running_server("babyai", max_instances=3) as url:
         with pytest.raises(CapacityConfigError, match="rollout_mode: async"):
@@ -233,7 +233,7 @@ def test_intra_phase_checkpoints_of_a_run_with_other_settings_are_not_resumed(en
 
 def test_bf16_precision_autocasts_the_forward_and_keeps_float32_weights(env_server, tiny_model_dir,
                                                                           tiny_policy, tmp_path) -> None:
-    from training.devices import autocast
+    from training.placement.devices import autocast
     from training.rl.losses import policy_forward
 
     model, _ = tiny_policy
@@ -304,7 +304,7 @@ def test_drop_flat_groups_refuses_what_it_cannot_serve(update: dict) -> None:
 
 
 def test_an_item_list_replaces_the_split_and_is_checked() -> None:
-    from training.data import DataStream
+    from training.phases.data import DataStream
 
     items = ["babyai_2003", "babyai_2010", "babyai_2044"]
     stream = DataStream("babyai", TrainConfig(items=items, seed=3))
@@ -364,7 +364,7 @@ def test_trainer_state_that_is_not_plain_data_is_refused(env_server, tiny_model_
 
 
 def test_metric_names_do_not_collide_with_dvclives_step_column(env_server, tiny_model_dir, tmp_path) -> None:
-    from training.metrics import Metrics
+    from training.phases.metrics import Metrics
 
     train_phase("babyai", 0, 1, 2, tiny_model_dir, tmp_path, config=CONFIG, url=env_server("babyai"))
     rows = (tmp_path / "dvclive" / "plots" / "metrics" / "timing_s" / "total.tsv").read_text().splitlines()
@@ -380,7 +380,7 @@ def test_a_run_ends_when_another_run_removed_dvclives_shared_signal_file(tmp_pat
     # between. Here the other run's removal comes exactly in that gap.
     import dvclive.vscode
 
-    from training.metrics import Metrics
+    from training.phases.metrics import Metrics
 
     (tmp_path / ".dvc").mkdir()
     monkeypatch.chdir(tmp_path)  # the working copy whose .dvc/tmp the signal file goes to
@@ -406,7 +406,7 @@ def test_a_run_ends_when_another_run_removed_dvclives_shared_signal_file(tmp_pat
 def test_adaptive_curriculum_advances_early_and_hands_its_steps_on(env_server, tiny_model_dir, tmp_path) -> None:
     """curriculum mode adaptive: a phase whose trajectories mostly hit the turn cap ends after min_steps; the
     steps it leaves go to the next phase (the curriculum's total stays as planned); manifests say so."""
-    from training.curriculum import AdaptiveRule
+    from training.settings.curriculum import AdaptiveRule
 
     url = env_server("babyai")
     rule = AdaptiveRule(truncated_share=0.5, min_steps=1)  # the untrained policy never finishes BabyAI in a turn

@@ -24,7 +24,6 @@ import yaml
 from envs.launcher import ROOT, free_port
 from flows.cli_common import pairs
 from training.chat_format import ChatFormat
-from training.config import PolicyServerConfig, train_config
 from training.engines.engine import EngineError, SamplingParams
 from training.engines.vllm_engine import VLLMEngine
 from training.engines.vllm_server import running_vllm, start_vllm_replicas, stop_vllm_all
@@ -36,7 +35,8 @@ from training.engines.weight_sync import (
     tensors_hash,
     weights_hash,
 )
-from training.trainer import PhaseTrainer
+from training.phases.trainer import PhaseTrainer
+from training.settings.config import PolicyServerConfig, train_config
 
 pytestmark = pytest.mark.slow
 
@@ -483,8 +483,8 @@ def test_staleness_one_overlaps_the_next_rollout_with_the_update(vllm_url, env_s
     on-policy run, bitwise the same as a run that never heard of the setting, and so is a run whose weights reach
     the server by broadcast (``weight_transfer: collective``)."""
 
-    from training.config import TrainConfig
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
+    from training.settings.config import TrainConfig
 
     url = env_server("babyai")
     base = TrainConfig(engine="vllm", batch_items=2, n_samples=2, max_new_tokens=8, lr=1e-3, mini_batch_size=4,
@@ -521,10 +521,10 @@ def test_lora_training_syncs_the_adapter_in_place(env_server, bandit_warm_start,
     place (a few MB instead of the whole model), verified by the probe after every update; the base it serves
     under its own name is still the start's."""
     from training.checkpoint import read_manifest
-    from training.config import TrainConfig
     from training.lora import LoraSettings
     from training.model import load_policy
-    from training.trainer import train_phase
+    from training.phases.trainer import train_phase
+    from training.settings.config import TrainConfig
 
     config = TrainConfig(engine="vllm", lora=LoraSettings(r=4, alpha=8), batch_items=4, n_samples=2,
                          max_new_tokens=16, lr=2e-3, mini_batch_size=4, micro_batch_size=4, kl_coef=0)

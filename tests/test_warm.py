@@ -17,9 +17,9 @@ from pydantic import ValidationError
 
 from flows.dvc_pipeline import BASE, render
 from training.checkpoint import read_manifest
-from training.config import ConfigError, curriculum_config, load_params
-from training.devices import DeviceError
-from training.warm import RFTStage, checkpoint_of, parse_stage
+from training.placement.devices import DeviceError
+from training.settings.config import ConfigError, curriculum_config, load_params
+from training.settings.warm import RFTStage, checkpoint_of, parse_stage
 from training.warmstart.methods import run_warm_stage
 
 #: SFT on 4 items the expert solves in two turns, then two rounds of rejection sampling and DPO on the same items
@@ -203,8 +203,8 @@ def test_every_door_of_a_warm_stage_makes_the_same_call(monkeypatch) -> None:
     import tasks.pipeline
     import training.warmstart.methods as methods
     from flows.cli import app
-    from training.devices import placement
-    from training.specs import warm_spec
+    from training.placement.devices import placement
+    from training.settings.specs import warm_spec
 
     calls: list[tuple] = []
 

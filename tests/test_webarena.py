@@ -134,7 +134,7 @@ def test_observation_is_an_accessibility_tree_and_bad_actions_are_explained(env_
 @pytest.mark.browser
 def test_episodes_are_isolated_and_the_context_pool_is_bounded() -> None:
     from envs.urls import ServerUrls
-    from training.trainer import CapacityConfigError, check_capacity
+    from training.phases.trainer import CapacityConfigError, check_capacity
 
     with running_server("webarena", max_contexts=3) as url:
         assert httpx.get(f"{url}/health").json()["capacity"] == 3

@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envs.paths import project_root
 from envs.registry import CAPACITY_OPTIONS, backend_capacity
-from training.config import (
+from training.placement.devices import training_ranks
+from training.settings.config import (
     EvalConfig,
     GateConfig,
     PolicyServerConfig,
@@ -42,7 +43,6 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.devices import training_ranks
 
 GIB = 1024 ** 3
 #: CUDA context, allocator fragmentation, communication buffers: kept free on every accelerator
@@ -74,7 +74,7 @@ def here() -> Pool:
     of it as ``SCALINGINTER_NNODES`` says."""
     import torch
 
-    from training.devices import npu_available, training_nodes
+    from training.placement.devices import npu_available, training_nodes
 
     nodes = training_nodes()
 
@@ -193,7 +193,7 @@ def plan(env: str, profile: str, pool_name: str = "here", overrides: dict[str, A
     """The run of ``env`` under ``profile`` with ``overrides`` (``--set`` of train-phase) on pool ``pool_name``:
     ``nproc`` training processes per node (default: ``SCALINGINTER_NPROC`` on this machine, one per device on a
     described pool), the model ``model`` (default: params.yaml ``model.preset``)."""
-    from training.config import load_params
+    from training.settings.config import load_params
 
     params = load_params() if params is None else params
     machines = pool(pool_name)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from training.config import PolicyServerConfig, TrainConfig
-from training.devices import distributed_backend
 from training.engines.engine import HFEngine, PolicyEngine
+from training.placement.devices import distributed_backend
 from training.rollouts.rollout import RolloutConfig, RolloutResult
+from training.settings.config import PolicyServerConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class EnvironmentFailure(RuntimeError):
 class PhaseSampling:
     """Stage 1 of a phase's step: its rollout (retried when every trajectory hit an environment error), the next
     step's rollout prefetched (``max_staleness: 1``) and the vLLM server's weights synced after an update (mixed
-    into ``training.trainer.PhaseTrainer``, which holds the rollout, the data stream and the weight sync)."""
+    into ``training.phases.trainer.PhaseTrainer``, which holds the rollout, the data stream and the weight sync)."""
 
     def _served(self) -> dict[str, Any]:
         """The weight version the vLLM server holds now, for the rollout log (nothing with the hf engine)."""

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from training.model import load_policy
+from training.placement.strategy import exit_rank, make_strategy
 from training.rl.losses import actor_loss, token_logprobs
-from training.strategy import exit_rank, make_strategy
 
 
 def synthetic_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:

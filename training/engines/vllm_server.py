@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from envs.launcher import ROOT, PortTaken, free_port, wait_healthy
-from training.config import PolicyServerConfig
-from training.devices import replica_placement, resolve_device, training_ranks
 from training.engines.engine import EngineError
+from training.placement.devices import replica_placement, resolve_device, training_ranks
+from training.settings.config import PolicyServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def start_vllm(model_dir: Path, config: PolicyServerConfig, max_model_len: int,
     """Start a vLLM server on ``model_dir`` and wait until healthy: (url, process). Its output goes to a log file
     whose tail is in the error when it does not come up. ``lora_rank``: it serves LoRA adapters of up to that
     rank, loaded at run time (the trainer's LoRA weight sync). ``replica``: which of ``config.replicas`` it is (its
-    device, or its share of the CPU cores: :func:`training.devices.replica_placement`)."""
+    device, or its share of the CPU cores: :func:`training.placement.devices.replica_placement`)."""
     if not (Path(model_dir) / "config.json").exists():
         raise EngineError(f"{model_dir} is not a model folder (no config.json): build it first "
                           "(`scalinginter build-model`, or `dvc repro build_model`)")

@@ -118,8 +118,8 @@ class WeightChannel:
     """The trainer's end (rank 0) of a process group it shares with every worker of a vLLM server (the
     ``collective`` transfer): each sync broadcasts the weights tensor by tensor and the workers load them in place
     as they arrive; nothing is written to disk. gloo between CPU processes (so it runs, and is tested, here), NCCL
-    between CUDA devices, HCCL between Ascend NPUs: :func:`training.devices.distributed_backend` of the trainer's
-    device. ``host`` is the trainer's address as the server's workers reach it."""
+    between CUDA devices, HCCL between Ascend NPUs: :func:`training.placement.devices.distributed_backend` of the
+    trainer's device. ``host`` is the trainer's address as the server's workers reach it."""
 
     def __init__(self, engine: VLLMEngine, backend: str, host: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
 

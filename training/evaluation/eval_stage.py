@@ -25,7 +25,9 @@ from envs.launcher import running_replicas
 from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import read_manifest
-from training.config import (
+from training.engines.vllm_server import running_vllm
+from training.evaluation.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
+from training.settings.config import (
     MIXED,
     ConfigError,
     OutsideModel,
@@ -39,18 +41,16 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.engines.vllm_server import running_vllm
-from training.evaluation.evaluate import ChatSettings, evaluate_checkpoints, evaluate_mixed_checkpoints
-from training.layout import Run
-from training.specs import EvalSpec, eval_spec, read_promotion
+from training.settings.layout import Run
+from training.settings.specs import EvalSpec, eval_spec, read_promotion
 
 
 def checkpoints(env: str, profile: str | None = None, root: Path | None = None, baseline: int | None = None
                 ) -> dict[str, Path]:
     """``{"base": models/<preset>, "warm-0-sft": .../final, "phase-0": .../final, ...}``: every checkpoint of the
-    run, in order: the base model, each warm-start stage's (training.warm), each phase's (of the
+    run, in order: the base model, each warm-start stage's (training.settings.warm), each phase's (of the
     fixed-h baseline run when ``baseline`` is its h)."""
-    from training.warm import checkpoint_of, pipeline_stages
+    from training.settings.warm import checkpoint_of, pipeline_stages
 
     root = root or project_root()
     params = load_params(root / "params.yaml")

@@ -16,11 +16,11 @@ import numpy as np
 
 from envs.urls import ServerUrls
 from training.checkpoint import MANIFEST, read_manifest
-from training.config import PolicyServerConfig
-from training.devices import resolve_device
 from training.model import load_policy
+from training.placement.devices import resolve_device
 from training.rollouts.rollout import Rollout, RolloutConfig
 from training.sampler import build_sampler
+from training.settings.config import PolicyServerConfig
 
 
 def bootstrap_ci(values: list[float], resamples: int = 2000, level: float = 0.95, seed: int = 0

@@ -38,16 +38,16 @@ from envs.files import atomic_write
 from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import folder_hash
-from training.config import (
+from training.evaluation.eval_stage import eval_servers, test_items
+from training.settings.config import (
     ConfigError,
     GateConfig,
     curriculum_config,
     gate_config,
     load_params,
 )
-from training.evaluation.eval_stage import eval_servers, test_items
-from training.layout import Run
-from training.specs import EvalSpec, PhaseSpec, eval_spec, phase_spec, read_promotion
+from training.settings.layout import Run
+from training.settings.specs import EvalSpec, PhaseSpec, eval_spec, phase_spec, read_promotion
 
 #: what promotion.json keeps (the next phase's dependency): nothing a changed margin moves unless the decision moves
 PROMOTION_KEYS = ("checkpoint", "hash", "decision", "stop")
@@ -246,7 +246,7 @@ def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tu
 
 def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None) -> Path:
     """The phase trained again from ``start`` at ``lr`` into ``out`` (resumed if interrupted)."""
-    from training.phase import run_phase
+    from training.phases.phase import run_phase
 
     retry = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": lr})})
     return run_phase(retry, url, policy_url=policy_url)

@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from training.checkpoint import MANIFEST, CheckpointError, folder_hash, read_manifest
-from training.config import base_model_dir, load_params
 from training.evaluation.gate import gate_text
-from training.layout import Run
-from training.warm import parse_stage, stage_checkpoints
+from training.settings.config import base_model_dir, load_params
+from training.settings.layout import Run
+from training.settings.warm import parse_stage, stage_checkpoints
 
 
 @dataclass
@@ -81,7 +81,7 @@ def _warm_summary(method: str, manifests: list[dict[str, Any]]) -> str:
 
 def _warm_records(env: str, stages: dict[str, Any], root: Path, expected_parent: str | None
                   ) -> tuple[list[PhaseRecord], list[str], str | None]:
-    """The warm-start stages (training.warm) as records, checked against dvc.lock: their settings,
+    """The warm-start stages (training.settings.warm) as records, checked against dvc.lock: their settings,
     their kind and their chain of parents (an RFT run's rounds each from the last); returns the last checkpoint's
     hash."""
     names = sorted((s for s in stages if s.startswith(f"{env}_warm_")), key=lambda s: int(s.rsplit("_", 1)[1]))

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from envs.files import atomic_write
 from envs.paths import project_root
 from training.checkpoint import CheckpointError, read_manifest
-from training.config import ConfigError, base_model_dir, curriculum_config, load_params
-from training.layout import Run
 from training.model import PRESETS
+from training.settings.config import ConfigError, base_model_dir, curriculum_config, load_params
+from training.settings.layout import Run
 
 if TYPE_CHECKING:
-    from training.specs import ReportSpec
+    from training.settings.specs import ReportSpec
 
 ENV_NAMES = {"webarena": "WebArena", "deepsearch": "Deep Search", "textcraft": "TextCraft", "babyai": "BabyAI",
              "sciworld": "SciWorld", "mixed": "Mixed (one policy over several environments)"}
@@ -164,5 +164,5 @@ def render(data: dict[str, Any]) -> str:
 
 
 def write_report(spec: ReportSpec) -> Path:
-    """Write the page of ``spec`` (``training.specs.report_spec``) atomically; returns its file."""
+    """Write the page of ``spec`` (``training.settings.specs.report_spec``) atomically; returns its file."""
     return atomic_write(spec.out, render(report_data(spec.envs, spec.root)))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.devices import autocast
+from training.placement.devices import autocast
 from training.rl import advantages as adv
 from training.rl.losses import policy_forward
 from training.trajectory import Trajectory

@@ -21,8 +21,8 @@ from typing import Any, get_args
 
 import torch
 
-from training.config import LossAggregation
 from training.rl.advantages import masked_mean
+from training.settings.config import LossAggregation
 
 
 @dataclass

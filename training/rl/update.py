@@ -1,6 +1,6 @@
-"""Stages 2 and 3 of a training step (``training.trainer``): the experience prepared for the update (old and
+"""Stages 2 and 3 of a training step (``training.phases.trainer``): the experience prepared for the update (old and
 reference log-probs, advantages) and the actor's (and PPO's critic's) mini-batch updates. A part of
-:class:`training.trainer.PhaseTrainer`, which holds the model, reference, optimizer and strategy these read.
+:class:`training.phases.trainer.PhaseTrainer`, which holds the model, reference, optimizer and strategy these read.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from training.config import TrainConfig
-from training.devices import autocast
+from training.placement.devices import autocast
 from training.rl.advantages import masked_mean
 from training.rl.critic import ValueModel, explained_variance, sequence_values
 from training.rl.experience import Experience, estimate_advantages, sequence_logprobs
 from training.rl.losses import actor_loss, loss_weights, policy_forward, value_loss
+from training.settings.config import TrainConfig
 
 
 class PolicyUpdate:

@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from envs.files import atomic_write
 from training.checkpoint import MANIFEST, folder_hash, read_manifest
-from training.devices import resolve_device
 from training.lora import LoraSettings, with_lora
 from training.model import load_policy
+from training.placement.devices import resolve_device
 from training.rl.experience import collate
 from training.rl.losses import token_logprobs
 from training.trajectory import Trajectory

@@ -1,4 +1,4 @@
-"""Running a warm-start stage (:mod:`training.warm`): SFT, rejection sampling or DPO from a checkpoint
+"""Running a warm-start stage (:mod:`training.settings.warm`): SFT, rejection sampling or DPO from a checkpoint
 into the stage's folder, with the stage's settings in every manifest it writes (``warm_start``).
 
     run_warm_stage("babyai", 0, parse_stage({"method": "sft", "items": 64}), Path("models/tiny"),
@@ -18,11 +18,11 @@ from envs.files import atomic_write
 from envs.launcher import running_replicas
 from training.chat_format import ChatFormat
 from training.checkpoint import folder_hash
-from training.config import ServerConfig, SFTConfig
-from training.devices import placement, resolve_device
 from training.lora import lora_of_rank
+from training.placement.devices import placement, resolve_device
+from training.settings.config import ServerConfig, SFTConfig
+from training.settings.warm import DPOStage, RFTStage, SFTStage
 from training.store import read_episodes
-from training.warm import DPOStage, RFTStage, SFTStage
 from training.warmstart.dpo import DPOConfig, dpo, preference_pairs
 from training.warmstart.rft import RFTConfig, rft, sample
 from training.warmstart.sft import expert_episodes, sft, sft_items, to_trajectory

@@ -23,13 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envs.files import atomic_write
 from training.checkpoint import MANIFEST, folder_hash, read_manifest
-from training.config import SFTConfig
-from training.devices import resolve_device
 from training.model import load_policy
+from training.placement.devices import resolve_device
 from training.rollouts.rollout import Rollout, RolloutConfig
 from training.sampler import build_sampler
+from training.settings.config import SFTConfig
+from training.settings.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 from training.trajectory import Trajectory
-from training.warm import PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 from training.warmstart.sft import sft
 
 log = logging.getLogger(__name__)

@@ -25,12 +25,12 @@ from envs.registry import spec_class
 from envs.splits import item_index, load_split
 from training.chat_format import ChatFormat, opening_messages
 from training.checkpoint import MANIFEST, STATE, folder_hash, read_manifest, write_checkpoint
-from training.config import SFTConfig
-from training.devices import resolve_device
 from training.lora import save_lora, with_lora
 from training.model import load_policy
+from training.placement.devices import resolve_device
 from training.rl.experience import collate
 from training.rl.losses import token_logprobs
+from training.settings.config import SFTConfig
 from training.store import recorded_trajectory, training_conversation
 from training.trajectory import Trajectory
 

@@ -1,7 +1,7 @@
-"""What a phase's checkpoint holds and how it is written (``training.trainer``): the actor's weights (LoRA adapters
-merged, the adapter beside them), the tokenizer, the training state (optimizer partitions, RNG, data position,
+"""What a phase's checkpoint holds and how it is written (``training.phases.trainer``): the actor's weights (LoRA
+adapters merged, the adapter beside them), the tokenizer, the training state (optimizer partitions, RNG, data position,
 curriculum and guard history), the record of the manifest and, for the final one, the model card; written whole or
-not at all (``training.checkpoint``). A part of :class:`training.trainer.PhaseTrainer`.
+not at all (``training.checkpoint``). A part of :class:`training.phases.trainer.PhaseTrainer`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from training.checkpoint import STATE, model_card, prepare_staging, prune, staging_folder, write_checkpoint
 from training.guard import lr_scale
 from training.lora import save_lora
-from training.phase_files import LOGS, snapshot_logs
+from training.phases.phase_files import LOGS, snapshot_logs
 
 
 @dataclass

@@ -54,7 +54,7 @@ class Run:
         return self.root / RUNS / self.name
 
     def warm(self, index: int) -> Path:
-        """The folder of warm-start stage ``index`` (training.warm): its checkpoint(s) and its training
+        """The folder of warm-start stage ``index`` (training.settings.warm): its checkpoint(s) and its training
         episodes."""
         return self.dir / f"warm-{index}"
 

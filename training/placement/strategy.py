@@ -112,7 +112,7 @@ class DeepSpeedStrategy:
             "zero_allow_untested_optimizer": True,
         }
         if not dist.is_initialized():  # gloo on CPU ranks, NCCL on CUDA, HCCL on Ascend: the ranks' own device's
-            from training.devices import distributed_backend
+            from training.placement.devices import distributed_backend
 
             device = device if device is not None else next(model.parameters()).device
             deepspeed.init_distributed(dist_backend=distributed_backend(device))

@@ -2,8 +2,8 @@
 DVC stages and the benchmarks alike. A phase: :func:`phase_spec` (the pipeline's) and :func:`build_phase_spec` (what
 both it and ``train-phase`` call); a warm start: :func:`warm_spec`; how checkpoints are sampled for a score:
 :func:`eval_spec`, the one the evaluation stage and the promotion gates both take (the gate's own settings, its
-items and margin, from :func:`~training.config.gate_config`); the report: :func:`report_spec`.
-Placement (``SCALINGINTER_DEVICE``) is applied inside them, once (``training.config.train_config``).
+items and margin, from :func:`~training.settings.config.gate_config`); the report: :func:`report_spec`.
+Placement (``SCALINGINTER_DEVICE``) is applied inside them, once (``training.settings.config.train_config``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from training.config import (
+from training.settings.config import (
     MIXED,
     ConfigError,
     EvalConfig,
@@ -32,14 +32,14 @@ from training.config import (
     server_config,
     train_config,
 )
-from training.curriculum import AdaptiveRule
-from training.layout import Run, report_file
+from training.settings.curriculum import AdaptiveRule
+from training.settings.layout import Run, report_file
 
 
 def start_checkpoint(env: str, params: dict[str, Any], root: Path = Path("."), profile: str | None = None) -> Path:
     """What the first RL phase (and a fixed-h baseline) starts from: the last warm-start stage's checkpoint
     (``curriculum.<env>.profiles.<profile>.warm_start``), else the base model."""
-    from training.warm import checkpoint_of, pipeline_stages
+    from training.settings.warm import checkpoint_of, pipeline_stages
 
     stages = pipeline_stages(curriculum_config(env, profile, params).warm_start) \
         if env in params.get("curriculum", {}) else []
@@ -68,7 +68,7 @@ class PhaseSpec(BaseModel):
 
 def phase_spec(env: str, index: int, root: Path, fixed_h: int | None = None) -> PhaseSpec:
     """Phase ``index`` of ``env``'s run in the working copy at ``root``: its h and steps from phases.yaml (the
-    values its stage records), its settings from params.yaml, its folders from :mod:`training.layout`.
+    values its stage records), its settings from params.yaml, its folders from :mod:`training.settings.layout`.
     ``fixed_h``: the fixed-h baseline run instead (one phase at that h for the curriculum's total steps)."""
     params = load_params(root / "params.yaml")
     profile = params.get("curriculum", {}).get("profile", "smoke")
@@ -135,7 +135,7 @@ def stopped(init: Path, root: Path = Path(".")) -> bool:
 def warm_spec(env: str, index: int, root: Path) -> tuple[Any, Path, Path]:
     """Warm-start stage ``index`` of ``env``'s run in the working copy at ``root``: (its typed settings from
     phases.yaml, the checkpoint it starts from, its folder)."""
-    from training.warm import checkpoint_of, parse_stage
+    from training.settings.warm import checkpoint_of, parse_stage
 
     table = _phases_file(root).get(env, {})
     if f"warm_{index}" not in table:

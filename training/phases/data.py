@@ -8,8 +8,8 @@ import random
 from collections.abc import Sequence
 
 from envs.splits import load_split
-from training.config import TrainConfig
-from training.mixed import allocation, shares, tag
+from training.phases.mixed import allocation, shares, tag
+from training.settings.config import TrainConfig
 
 
 class DataStream:

@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.warm import WarmStage
+from training.settings.warm import WarmStage
 
 Mode = Literal["scaling_inter", "fixed", "adaptive"]
 
@@ -141,7 +141,7 @@ class CurriculumConfig(BaseModel):
     adaptive: AdaptiveRule = Field(AdaptiveRule(), description="mode adaptive: when h advances before its phase ends")
     warm_start: list[WarmStage] = Field(default_factory=list, description="phases of other types (sft, rft, dpo) "
                                         "before the first RL phase, in order, each from the last "
-                                        "(training.warm)")
+                                        "(training.settings.warm)")
 
     @model_validator(mode="after")
     def _one_form(self) -> CurriculumConfig:

@@ -1,6 +1,6 @@
 """The one home of settings: params.yaml read in one place into validated, frozen pydantic models (the trainer's
 ``TrainConfig``, ``EvalConfig``, the environment servers' ``ServerConfig``, the curriculum's ``CurriculumConfig``
-from ``training.curriculum``), and the ``PhaseSpec`` a phase is trained from."""
+from ``training.settings.curriculum``), and the ``PhaseSpec`` a phase is trained from."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from envs.instances import IDLE_TTL_S, MAX_INSTANCES
 from envs.paths import project_root
-from training.curriculum import CurriculumConfig
-from training.devices import placement
 from training.guard import GuardConfig
-from training.layout import base_model
 from training.lora import LoraSettings
-from training.warm import GROUP_BY_LENGTH_HELP, PREFIX_CACHE_GB, PREFIX_CACHE_HELP
+from training.placement.devices import placement
+from training.settings.curriculum import CurriculumConfig
+from training.settings.layout import base_model
+from training.settings.warm import GROUP_BY_LENGTH_HELP, PREFIX_CACHE_GB, PREFIX_CACHE_HELP
 
 
 class ConfigError(ValueError):
@@ -242,7 +242,7 @@ def mixed_envs(env: str) -> list[str]:
 def train_config(env: str, profile: str | None = None, overrides: dict[str, Any] | None = None,
                  params: dict[str, Any] | None = None) -> TrainConfig:
     """``train.<profile>`` of params.yaml, then ``train.<profile>.envs.<env>``, then ``overrides``; the device
-    where a work pool places the work (``SCALINGINTER_DEVICE``: :func:`training.devices.placement`) wins."""
+    where a work pool places the work (``SCALINGINTER_DEVICE``: :func:`training.placement.devices.placement`) wins."""
     params = load_params() if params is None else params
     components = mixed_components(env, params)
     profile, values = _profile_values(params, "train", MIXED if len(components) > 1 else env, profile)

@@ -32,17 +32,16 @@ from training.checkpoint import (
     read_manifest,
     state_folder,
 )
-from training.config import PolicyServerConfig, TrainConfig, mixed_envs
-from training.curriculum import AdaptiveRule, adaptive_advance
-from training.data import DataStream, MixedData
-from training.devices import peak_memory_gib, rank_device
 from training.guard import Guard, GuardEvent, GuardTrip, lr_scale, read_events, write_events
 from training.lora import load_adapter, with_lora
-from training.metrics import Metrics
-from training.mixed import MixedRollout, allocation, check_scope, mixed_rollout, shares
 from training.model import load_policy
-from training.phase_files import LOGS, load_state, remove_stale_staging, restore_logs
-from training.phase_save import Ledger, PhaseCheckpoints
+from training.phases.data import DataStream, MixedData
+from training.phases.metrics import Metrics
+from training.phases.mixed import MixedRollout, allocation, check_scope, mixed_rollout, shares
+from training.phases.phase_files import LOGS, load_state, remove_stale_staging, restore_logs
+from training.phases.phase_save import Ledger, PhaseCheckpoints
+from training.placement.devices import peak_memory_gib, rank_device
+from training.placement.strategy import make_strategy
 from training.rl.advantages import flat_rows
 from training.rl.critic import ValueModel
 from training.rl.experience import collate, experience_stats
@@ -50,7 +49,8 @@ from training.rl.losses import loss_weights
 from training.rl.update import PolicyUpdate
 from training.rollouts.rollout import Rollout, write_rollout_log
 from training.sampler import PhaseSampling, build_sampler, train_rollout_config
-from training.strategy import make_strategy
+from training.settings.config import PolicyServerConfig, TrainConfig, mixed_envs
+from training.settings.curriculum import AdaptiveRule, adaptive_advance
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class PhaseTrainer(PhaseSampling, PolicyUpdate, PhaseCheckpoints):
                  config: TrainConfig, url: ServerUrls | str | Mapping[str, str], adaptive: AdaptiveRule | None = None,
                  policy_url: str | None = None, policy_server: PolicyServerConfig | None = None) -> None:
         self.env, self.phase, self.h, self.steps, self.config = env, phase, h, steps, config
-        self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.mixed)
+        self.envs = mixed_envs(env)  # one environment, or a mixed run's several (training.phases.mixed)
         check_scope(self.envs, config)
         self.adaptive = adaptive
         self.out_dir = out_dir

@@ -17,9 +17,9 @@ from envs.files import atomic_write
 from envs.launcher import running_replicas
 from envs.urls import ServerUrls
 from training.checkpoint import MANIFEST
-from training.config import mixed_envs
-from training.specs import PhaseSpec
-from training.trainer import train_phase
+from training.phases.trainer import train_phase
+from training.settings.config import mixed_envs
+from training.settings.specs import PhaseSpec
 
 
 def run_phase(spec: PhaseSpec, url: str | None = None, progress: bool = False, policy_url: str | None = None) -> Path:

@@ -3,7 +3,8 @@ environment rolled out at its own turn cap, the trajectories trained on together
 
 A mixed run names its environments joined by commas (``"babyai,textcraft,deepsearch"``); its items are tagged
 ``<env>:<item_id>``. The phase's h is each environment's h clipped to that environment's ``max_h``
-(:class:`training.config.MixShare`), so the phase boundaries are shared and every environment keeps its own cap.
+(:class:`training.settings.config.MixShare`), so the phase boundaries are shared and every environment keeps its
+own cap.
 An environment whose every trajectory of a step failed fails the step (retried, then the phase stops naming it):
 the run never trains on the other environments alone without saying so.
 """
@@ -15,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.urls import ServerUrls
-from training.config import MixShare, TrainConfig
 from training.rollouts.rollout import Rollout, RolloutResult, rollout_stats
+from training.settings.config import MixShare, TrainConfig
 
 SEP = ":"
 
