@@ -153,7 +153,7 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
         if "vllm" in (train.engine, evaluation.engine):  # one server for the run, loaded with each phase's weights
             server = policy_server_config(params)
             length = max(server.max_len(train.context_budget, train.max_new_tokens),
-                         server.max_len(evaluation.context_budget or train.context_budget, evaluation.max_new_tokens))
+                         server.max_len(evaluation.budget, evaluation.max_new_tokens))
             policy_url, policy_pids = provision_policy_server(base, server, length,
                                                               train.lora.r if train.lora is not None else None)
         rows, warm, gates = [], [], []

@@ -231,6 +231,12 @@ def test_the_gate_and_the_evaluation_stage_sample_through_one_spec(tmp_path, mon
     assert spec.sampling()["k"] == 3 and spec.sampling()["temperature"] == 0.7 and spec.sampling()["seed"] == 11
     train_budget = params["train"]["smoke"].get("context_budget", 2048)
     assert spec.sampling()["context_budget"] == train_budget  # eval's None: training's budget
+    from training.settings.config import EvalConfig
+    from training.settings.specs import EvalSpec
+    with pytest.raises(ValueError, match="context_budget is unresolved: read the settings with eval_config"):
+        EvalConfig().budget  # noqa: B018 (a spec built by hand, past the door, is refused with the door to use)
+    with pytest.raises(ValueError, match="context_budget is unresolved"):
+        EvalSpec(config=EvalConfig(), h=spec.h, policy_server=spec.policy_server)
     assert gate.spec == spec
     # gate.cap: phase samples at the phase's own turn cap, everything else as before; the default, final, ignores it
     assert GateRun("babyai", 0, root, "u", None, lambda: 1, phase_h=2).spec.h == spec.h != 2

@@ -73,6 +73,21 @@ def test_each_fault_of_the_paper_run_is_refused_with_the_setting_to_change() -> 
                for f in _failures(env="babyai", params=picky, model=QWEN3B))
 
 
+def test_an_evaluation_described_without_a_budget_is_checked_at_trainings() -> None:
+    """A plan built by hand (as the GPU check does) with an evaluation that leaves its context budget unset is
+    checked at the training budget, as eval_config resolves it; never at a silent None."""
+    import dataclasses
+
+    from training.preflight import check_context
+    from training.settings.config import EvalConfig
+
+    run = plan("sciworld", "paper", "a100-80gb-x8", {"context_budget": 32768}, model=QWEN3B)
+    by_hand = dataclasses.replace(run, evaluation=EvalConfig(max_new_tokens=16))
+    assert by_hand.evaluation.budget == run.train.context_budget == 32768
+    finding = check_context(by_hand)
+    assert not finding.ok and "context_budget 32768" in finding.message
+
+
 def test_the_parameter_count_is_the_models_own() -> None:
     """The shape read from config.json counts the weights a built model has (the tiny preset, built here), and
     the shipped configs give Qwen2.5's published sizes."""

@@ -183,6 +183,11 @@ class Plan:
     pool: Pool
     gate: GateConfig = field(default_factory=lambda: GateConfig(enabled=False))
 
+    def __post_init__(self) -> None:  # an evaluation described without a budget sees what training saw
+        if self.evaluation.context_budget is None:
+            object.__setattr__(self, "evaluation",
+                               self.evaluation.model_copy(update={"context_budget": self.train.context_budget}))
+
     @property
     def vllm(self) -> bool:
         return "vllm" in (self.train.engine, self.evaluation.engine)
@@ -211,7 +216,7 @@ def plan(env: str, profile: str, pool_name: str = "here", overrides: dict[str, A
 def check_context(p: Plan) -> Finding:
     """The longest sequence asked of the sampler against the model's positions."""
     train, evaluation = p.train, p.evaluation
-    budget = max(train.context_budget, evaluation.context_budget or train.context_budget)
+    budget = max(train.context_budget, evaluation.budget)
     new = max(train.max_new_tokens, evaluation.max_new_tokens)
     longest = p.policy_server.max_len(budget, new) if p.vllm else budget + new
     if longest <= p.model.positions:

@@ -321,6 +321,14 @@ class EvalConfig(BaseModel):
     outside: list[OutsideModel] = Field(default_factory=list, description="models behind an API the evaluation "
                                         "stage also evaluates on the same items (`scalinginter eval-outside`)")
 
+    @property
+    def budget(self) -> int:
+        """The context budget, resolved (:func:`eval_config` takes the training profile's when it is not set)."""
+        if self.context_budget is None:
+            raise ValueError("the evaluation's context_budget is unresolved: read the settings with eval_config(), "
+                             "which takes the training profile's when eval.<profile>.context_budget is not set")
+        return self.context_budget
+
 
 def eval_config(env: str, profile: str | None = None, params: dict[str, Any] | None = None) -> EvalConfig:
     """``eval.<profile>`` of params.yaml, then ``eval.<profile>.envs.<env>``."""

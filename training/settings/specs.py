@@ -181,9 +181,7 @@ class EvalSpec(BaseModel):
     @field_validator("config")
     @classmethod
     def _budget_resolved(cls, config: EvalConfig) -> EvalConfig:
-        if config.context_budget is None:
-            raise ValueError("the evaluation's context_budget is unresolved: build the spec with eval_spec(), which "
-                             "takes the training profile's when eval.<profile>.context_budget is not set")
+        config.budget  # noqa: B018 (refuses an unresolved budget, with the door to use)
         return config
 
     def sampling(self) -> dict[str, Any]:
