@@ -115,10 +115,14 @@ def sft(
     stage (``method: sft``) run as the pipeline runs one."""
     from training.checkpoint import read_manifest
 
-    if from_ and (episodes is not None or sub_task):
-        fail("--episodes and --sub-task choose expert episodes; --from trains on every successful episode of its "
-              "files: give one or the other")
-    expert_items = None if from_ else 64 if episodes is None else episodes
+    try:  # --set recorded=... is --from by another name: the same check, and no default expert items beside it
+        recorded = from_ or pairs(set_ or []).get("recorded")
+    except ValueError as err:
+        fail(str(err))
+    if recorded and (episodes is not None or sub_task):
+        fail("--episodes and --sub-task choose expert episodes; --from (or --set recorded=) trains on every "
+             "successful episode of its files: give one or the other")
+    expert_items = None if recorded else 64 if episodes is None else episodes
     [path] = _warm_command(env, "sft", init, out, device, sets=set_, items=expert_items,
                            sub_tasks=sub_task or None, epochs=epochs, lr=lr, max_tokens=max_tokens, lora_r=lora_r,
                            recorded=from_ or None)

@@ -42,12 +42,23 @@ def test_demo_plays_an_expert_episode_through_http() -> None:
     assert "success=True" in result.output and "turn 1 agent:" in result.output
 
 
+def said(result) -> str:
+    """What a command printed, in one line (rich wraps its errors at the terminal's width)."""
+    return " ".join(result.output.split())
+
+
 def test_the_warm_start_commands_take_a_device_and_refuse_what_they_would_ignore(tmp_path) -> None:
     # --from trains on every successful episode of its files: what chooses expert episodes is an error beside it
     result = runner.invoke(app, ["sft", "babyai", "--from", str(tmp_path), "--sub-task", "GoTo"])
-    assert result.exit_code == 2 and "give one or the other" in result.output, result.output
+    assert result.exit_code == 2 and "give one or the other" in said(result), result.output
     result = runner.invoke(app, ["sft", "babyai", "--from", str(tmp_path), "--episodes", "8"])
-    assert result.exit_code == 2 and "--episodes and --sub-task choose expert episodes" in result.output
+    assert result.exit_code == 2 and "--episodes and --sub-task choose expert episodes" in said(result)
+    # --set recorded= is --from by another name: the same refusal beside --episodes, and on its own no default
+    # expert items beside it (the stage is parsed and reaches the recorded files, which hold no episode here)
+    result = runner.invoke(app, ["sft", "babyai", "--set", f"recorded={tmp_path}", "--episodes", "8"])
+    assert result.exit_code == 2 and "--from (or --set recorded=)" in said(result), result.output
+    result = runner.invoke(app, ["sft", "babyai", "--set", f"recorded={tmp_path}", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "no successful episode in the recorded files" in said(result)
     import torch
 
     if torch.cuda.is_available():

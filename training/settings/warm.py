@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 #: the phase types a warm start may use
 METHODS = ("sft", "rft", "dpo")
@@ -69,6 +69,12 @@ class SFTStage(_Method):
     group_by_length: bool = Field(False, description=GROUP_BY_LENGTH_HELP)
     expert: str = Field("default", description="who plays the expert episodes: the environment's own expert, or one "
                         "it offers by name (BabyAI: sighted, GoTo missions in its high-level actions)")
+
+    @field_validator("recorded", mode="before")
+    @classmethod
+    def _one_file(cls, value: object) -> object:
+        """One file or folder (``--set recorded=path``) is a list of one."""
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _recorded_or_expert(self) -> SFTStage:

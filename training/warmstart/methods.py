@@ -91,6 +91,10 @@ def _sft_stage(env: str, stage: SFTStage, init: Path, out: Path, config: Any, re
                progress: bool) -> Path:
     if stage.recorded:
         records, sources = read_episodes([Path(p) for p in stage.recorded])
+        if not records:
+            read = ", ".join(s["path"] for s in sources) or "no .jsonl file"
+            raise ValueError(f"no successful episode in the recorded files {stage.recorded} (read: {read}): give "
+                             "files that hold some (a phase's rollouts/, an RFT round-<r>.jsonl, DPO pairs)")
         conversations: list[Any] = records  # their own token ids where they are in this tokenizer
         record = {**record, "source": "recorded", "sources": sources}
     else:
