@@ -1,10 +1,12 @@
 """Promotion gates (training/evaluation/gate.py): a phase hands its checkpoint on only if it is not worse than its
 parent.
 
-The integration tests run a three-phase bandit curriculum in a working copy of its own, from the 50/50 SFT warm
-start (conftest): a phase at a sound learning rate is promoted; a phase at a learning rate far too high wrecks
-the policy and is rejected, then retried or the curriculum stopped, as configured; the lineage shows it; a killed
-gate resumes without sampling again; the margin moves the decision record, not what the next phase depends on.
+The integration tests run, each in a working copy of its own, a multi-turn BabyAI phase (turn cap 4) whose
+parent acts and which a learning rate far too high wrecks (rejected, the curriculum stopped, the parent handed
+back), and a three-phase bandit curriculum from the 50/50 SFT warm start (conftest): a phase at a sound learning
+rate is promoted; a phase at a learning rate far too high wrecks the policy and is rejected, then retried or the
+curriculum stopped, as configured; the lineage shows it; a killed gate resumes without sampling again; the margin
+moves the decision record, not what the next phase depends on.
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ def _bandit_workspace(tmp_path: Path, warm: Path, on_reject: str, lrs: list[floa
     return root
 
 
-def _phase(root: Path, index: int, lr: float, url: str) -> None:
+def _phase(root: Path, index: int, lr: float, url: str, env: str = "bandit") -> None:
     from training.phases.phase import run_phase
 
-    spec = phase_spec("bandit", index, root)
+    spec = phase_spec(env, index, root)
     spec = spec.model_copy(update={"train": spec.train.model_copy(update={"lr": lr})})
     run_phase(spec, url)
 
@@ -126,6 +128,47 @@ def test_a_wrecked_phase_is_rejected_and_retried_and_a_sound_one_promoted(bandit
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     wider = run_gate("bandit", 0, url="http://127.0.0.1:9", root=root)
     assert wider["margin"] == 0.2 and run.promotion(0).read_bytes() == promotion
+
+
+@pytest.mark.slow
+def test_a_wrecked_multi_turn_phase_is_rejected_and_the_run_hands_back_its_parent(tiny_model_dir, env_server,
+                                                                                  tmp_path, monkeypatch) -> None:
+    """The gate on BabyAI GoTo at a turn cap of 4: a parent that acts over several turns (the tiny model taught
+    the sighted expert's episodes of the gate items themselves, a test device standing for a good model: no
+    claim is made on held-out items) against a phase trained at a learning rate far too high. The phase is
+    rejected, the curriculum stops, and the run hands back the parent, never the wrecked phase."""
+    from training.evaluation.gate import GateRun
+    from training.warmstart.sft import SFTConfig, expert_episodes, sft
+
+    url = env_server("babyai")
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "data" / "babyai", root / "data" / "babyai")
+    params = load_params(ROOT / "params.yaml")
+    params["pipeline"]["envs"] = ["babyai"]
+    params["curriculum"]["profile"] = "smoke"
+    params["curriculum"]["babyai"]["profiles"]["smoke"] = {"schedule": [[4, 3]], "total_steps": 3}
+    params["train"]["smoke"]["envs"]["babyai"] = {
+        "batch_items": 4, "n_samples": 4, "max_new_tokens": 24, "kl_coef": 0.0, "lr": 0.05, "save_every": 1,
+        "log_rollouts": False, "guard": {"enabled": False}}
+    params["eval"]["smoke"]["envs"] = {"babyai": {"k": 8, "temperature": 1.0, "max_new_tokens": 24, "h": 4,
+                                                  "sub_tasks": ["GoTo"], "batch_items": 8}}
+    params["gate"]["smoke"] |= {"items": 6, "margin": 0.1, "rule": "point", "on_reject": "stop"}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "phases.yaml").write_text(render(params)[0])
+    monkeypatch.chdir(root)
+    items = GateRun("babyai", 0, root, url, None, lambda: 8).items
+    episodes = expert_episodes("babyai", items, max_turns=4, expert="sighted")
+    assert max(sum(m["role"] == "assistant" for m in conv) for conv in episodes.values()) > 1  # several turns
+    # measured: the parent solves 43.8% of the 6 items x 8 samples; the phase 0% (-43.8 points, CI -64.6 to -22.9)
+    sft(tiny_model_dir, root / "models" / "tiny", list(episodes.values()), SFTConfig(epochs=20, lr=2e-3, batch_size=2))
+    _phase(root, 0, 0.05, url, env="babyai")
+    gate = run_gate("babyai", 0, url=url, root=root)
+    assert gate["h"] == 4 and gate["episodes_sampled"] == 2 * 6 * 8
+    assert gate["parent"] > 0.1, gate  # the parent acts; the wrecked phase falls past the margin
+    assert not gate["passed"] and gate["diff"] < -0.1 and gate["decision"] == "stopped", gate
+    assert gate["checkpoint"] == gate["parent_checkpoint"] == "models/tiny"
+    assert run_result("babyai", root)["checkpoint"] == "models/tiny"  # never runs/babyai/phase-0/final
+    assert json.loads(Run("babyai", root=root).promotion(0).read_text())["checkpoint"] == "models/tiny"
 
 
 @pytest.mark.slow
