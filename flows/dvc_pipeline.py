@@ -99,16 +99,17 @@ def _phase_stage(cmd: str, run: Run, index: int, deps: list[str], params: list[A
 
 
 def _gate_stage(env: str, run: Run, index: int, profile: str, last: str, parent_deps: list[str],
-                eval_server: list[str]) -> dict[str, Any]:
+                eval_server: list[str], components: list[str], mixed: list[str]) -> dict[str, Any]:
     """Stage ``<env>_gate_<k>`` (training.evaluation.gate): phase k's final checkpoint against its parent on the
-    gate items. Its margin, rule and items are params of this stage only; the next phase depends on promotion.json,
-    which changes only when the decision does."""
+    gate items (of each of ``components``, the mixed run's environments). Its margin, rule and items are params of
+    this stage only; the next phase depends on promotion.json, which changes only when the decision does."""
     return {
         "cmd": f"{CLI} gate {env} --phase {index}",
-        "deps": [*parent_deps, str(run.final(index)), f"data/{env}/gate.json", f"envs/{env}", *TRAIN_CODE],
+        "deps": [*parent_deps, str(run.final(index)), *(f"data/{e}/gate.json" for e in components),
+                 *(f"envs/{e}" for e in components), *TRAIN_CODE],
         # train: a retry trains the phase again; eval: how the gate samples; the last phase's h: its turn cap
         "params": [f"gate.{profile}", f"eval.{profile}", f"train.{profile}", "curriculum.profile",
-                   {"phases.yaml": [f"{env}.phase_{index}", f"{env}.{last}.h"]}, *eval_server],
+                   {"phases.yaml": [f"{env}.phase_{index}", f"{env}.{last}.h"]}, *mixed, *eval_server],
         # persistent: a killed gate keeps the evaluations it made and its retries' checkpoints, and resumes
         "outs": [str(run.promotion(index)), str(run.gate_record(index)), {str(run.retries(index)): {"persist": True}},
                  {str(run.gate(index) / "evals"): {"persist": True}}],
@@ -188,7 +189,8 @@ def stages(params: dict[str, Any], table: dict[str, dict[str, dict[str, Any]]]) 
                                                  "curriculum.profile", *mixed, *train_server])
             if gated:  # the next phase starts from what this gate promotes (promotion.json names it, with its hash)
                 out[f"{env}_gate_{index}"] = _gate_stage(env, run, index, profile, list(phases)[-1],
-                                                         start_deps if index == 0 else [parent], eval_server)
+                                                         start_deps if index == 0 else [parent], eval_server,
+                                                         components, mixed)
                 parent, parent_state = str(run.promotion(index)), []
             else:
                 parent, parent_state = str(run.final(index)), [str(run.state(index))]

@@ -172,6 +172,40 @@ def test_a_wrecked_multi_turn_phase_is_rejected_and_the_run_hands_back_its_paren
 
 
 @pytest.mark.slow
+def test_the_mixed_runs_gate_pools_each_environments_gate_items_at_its_own_cap(bandit_warm_start, env_server,
+                                                                              tmp_path, monkeypatch) -> None:
+    """The mixed run's gate (mixed.envs: the bandit and TextCraft): each environment's gate items on its own server
+    at the run's h clipped to its cap, pooled; a phase that wrecks the bandit is rejected on the pool and the run
+    hands back its parent."""
+    url = {e: env_server(e) for e in ("bandit", "textcraft")}
+    root = _bandit_workspace(tmp_path, bandit_warm_start, "stop", [0.05])
+    shutil.copytree(ROOT / "data" / "textcraft", root / "data" / "textcraft")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["mixed"] = {"envs": ["bandit", "textcraft"]}
+    params["pipeline"]["envs"] = ["mixed"]
+    params["curriculum"]["mixed"] = {"cap": 2, "profiles": {"smoke": {"schedule": [[2, 3]], "total_steps": 3}}}
+    params["train"]["smoke"]["envs"]["mixed"] = params["train"]["smoke"]["envs"]["bandit"] | {
+        "max_new_tokens": 12, "mix": {"bandit": {"max_h": 1}, "textcraft": {"max_h": 2}}}
+    params["eval"]["smoke"]["envs"] = {"mixed": params["eval"]["smoke"]["envs"]["bandit"] | {"h": 2}}
+    params["gate"]["smoke"]["envs"]["mixed"] = {"enabled": True}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "phases.yaml").write_text(render(params)[0])
+    stages = yaml.safe_load(render(params)[1])["stages"]
+    assert {"data/bandit/gate.json", "data/textcraft/gate.json"} <= set(stages["mixed_gate_0"]["deps"])
+    monkeypatch.chdir(root)
+    servers = ";".join(f"{e}={u}" for e, u in url.items())
+    _phase(root, 0, 0.05, servers, env="mixed")
+    gate = run_gate("mixed", 0, url=servers, root=root)
+    assert gate["caps"] == {"bandit": 1, "textcraft": 2} and gate["items"] == 2 * 16
+    assert gate["episodes_sampled"] == 2 * 32 * 4
+    record = json.loads(next(p for p in (Run("mixed", root=root).gate(0) / "evals").glob("*.json")
+                             if p.name != "index.json").read_text())
+    assert len(record["success"]) == 32  # the pooled items, bandit's first
+    assert gate["parent"] > 0.1 and gate["decision"] == "stopped", gate  # the bandit's half of the parent's wins
+    assert run_result("mixed", root)["checkpoint"] == "models/tiny"
+
+
+@pytest.mark.slow
 def test_stop_promotes_the_parent_and_later_phases_train_nothing(bandit_warm_start, env_server, tmp_path,
                                                                  monkeypatch) -> None:
     url = env_server("bandit")

@@ -169,13 +169,34 @@ def _run_single_eval(env: str, params: dict[str, Any], spec: EvalSpec, url: str 
                                     policy_url=served, **spec.sampling())
 
 
+def mixed_caps(params: dict[str, Any], profile: str | None, config: Any, h: int) -> dict[str, int]:
+    """The mixed run's turn cap per environment: the run's ``h`` clipped to each one's ``max_h`` (as in training),
+    for sampling as ``config`` (an EvalConfig) says; what the mixed run cannot sample is refused here, once."""
+    if config.engine == "vllm":
+        raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
+    if config.sub_tasks:
+        raise ConfigError("the mixed run evaluates every sub-task of each environment: remove "
+                          "eval.<profile>.envs.mixed.sub_tasks")
+    caps = {e: s.max_h for e, s in train_config(MIXED, profile, params=params).mix.items()}
+    return {e: min(h, caps.get(e) or h) for e in mixed_components(MIXED, params)}
+
+
 @contextlib.contextmanager
 def eval_servers(env: str, params: dict[str, Any], config: Any, url: str | None, policy_url: str | None,
                  first: Path) -> Iterator[tuple[str, str | None, Callable[[], int]]]:
     """(environment URL, vLLM URL or None, how many items to roll out at once) for sampling as ``config`` (an
     EvalConfig) says: the servers given, else started here on ``first`` and stopped after (the evaluation stage and the
-    promotion gates). The vLLM server is the one ``engine: vllm`` loads each checkpoint into."""
+    promotion gates). The vLLM server is the one ``engine: vllm`` loads each checkpoint into. The mixed run: each
+    of its environments' servers, as ``env=URL;...`` text, and the configured batch."""
+    from envs.urls import ServerUrls
+
     with contextlib.ExitStack() as stack:
+        if env == MIXED:
+            envs = mixed_components(MIXED, params)
+            started = {} if url else {e: stack.enter_context(running_replicas(e, **server_config(e, params)
+                                                                              .launch_kwargs())) for e in envs}
+            yield ServerUrls.parse(url or started, envs).text(), None, lambda: config.batch_items
+            return
         base = url or stack.enter_context(running_replicas(env, **server_config(env, params).launch_kwargs()))
         @functools.cache
         def batch_items() -> int:  # asked when sampling starts (a run answered from a cache asks no server)
@@ -197,20 +218,12 @@ def _run_mixed_eval(params: dict[str, Any], profile: str | None, spec: EvalSpec,
     environment's cap (as in training)."""
     from envs.urls import ServerUrls
 
-    config, h = spec.config, spec.h
-    if config.engine == "vllm":
-        raise ConfigError("the mixed run evaluates with the hf engine only (eval.<profile>.envs.mixed.engine: hf)")
-    if config.sub_tasks:
-        raise ConfigError("the mixed run evaluates every sub-task of each environment: remove "
-                          "eval.<profile>.envs.mixed.sub_tasks")
-    envs = mixed_components(MIXED, params)
-    caps = {e: s.max_h for e, s in train_config(MIXED, profile, params=params).mix.items()}
-    with contextlib.ExitStack() as stack:
-        started = {} if url else {
-            e: stack.enter_context(running_replicas(e, **server_config(e, params).launch_kwargs())) for e in envs}
-        urls = ServerUrls.parse(url or started, envs)
-        parts = {e: (urls.replicas(e), stratified_head(load_split(e, "test"), config.items), min(h, caps.get(e) or h))
-                 for e in envs}
+    config = spec.config
+    caps = mixed_caps(params, profile, config, spec.h)
+    with eval_servers(MIXED, params, config, url, None, next(iter(folders.values()))) as (base, _, _):
+        urls = ServerUrls.parse(base, list(caps))
+        parts = {e: (urls.replicas(e), stratified_head(load_split(e, "test"), config.items), h)
+                 for e, h in caps.items()}
         # the spec's sampling, each environment at its own h (in parts), on this process's hf engine
         sampling = {k: v for k, v in spec.sampling().items() if k not in ("h", "policy_server")}
         return evaluate_mixed_checkpoints(folders, parts, batch_items=config.batch_items, progress=progress,

@@ -21,6 +21,11 @@ the decision, whether the curriculum stopped), so a changed margin that leaves t
 and nothing after it; ``decision.json`` holds the whole account and ``summary.json`` (the DVC metric) its figures.
 Every checkpoint's gate evaluation is kept in ``evals/`` under its hash and the settings, so a killed gate resumes
 without sampling twice, and a parent an earlier gate scored (the checkpoint it promoted) is not sampled again.
+
+The mixed run's gate (``mixed_gate_<k>``) samples each of its environments' gate items (``gate.<profile>.items``
+of each, tagged ``<env>:<id>``), each at the turn cap clipped to that environment's ``max_h`` as in training and
+in its evaluation, and compares the pooled items: a phase that gains in one environment and loses more in
+another is rejected.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from envs.files import atomic_write
 from envs.paths import project_root
 from envs.splits import load_split
 from training.checkpoint import folder_hash
-from training.evaluation.eval_stage import eval_servers, test_items
+from training.evaluation.eval_stage import eval_servers, mixed_caps, test_items
 from training.settings.config import (
+    MIXED,
     ConfigError,
     GateConfig,
     curriculum_config,
@@ -92,21 +98,27 @@ class GateRun:
         if self.config.cap == "phase" and phase_h is not None:  # at the phase's own turn cap
             self.spec = self.spec.model_copy(update={"h": phase_h})
         self.eval, self.h = self.spec.config, self.spec.h
-        if not load_split(env, "gate", root / "data"):
-            raise ConfigError(f"data/{env}/gate.json holds no items ({env} has none beyond its train and test "
-                              f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
-        # the evaluation's sub-tasks, the gate's own item count
-        self.items = [r["item_id"] for r in test_items(env, self.eval.model_copy(update={"items": self.config.items}),
-                                                       "gate", root / "data")]
+        # each environment's turn cap: the gate's, or for the mixed run the gate's clipped to each one's max_h
+        self.caps = mixed_caps(params, None, self.eval, self.h) if env == MIXED else {env: self.h}
+        for e in self.caps:
+            if not load_split(e, "gate", root / "data"):
+                raise ConfigError(f"data/{e}/gate.json holds no items ({e} has none beyond its train and test "
+                                  f"splits): set gate.<profile>.envs.{env}.enabled: false in params.yaml")
+        # the evaluation's sub-tasks, the gate's own item count (of each environment's, on the mixed run)
+        chosen = self.eval.model_copy(update={"items": self.config.items})
+        self.parts = {e: [r["item_id"] for r in test_items(e, chosen, "gate", root / "data")] for e in self.caps}
+        self.items = (self.parts[env] if env != MIXED
+                      else [f"{e}:{i}" for e, ids in self.parts.items() for i in ids])
         self.run = Run(env, root=root)
         self.folder = self.run.gate(index)
         self.progress, self.batch_items = progress, batch_items
         self.episodes = 0  # rollouts sampled by this gate (cached ones not counted)
 
     def settings(self) -> dict[str, Any]:
+        caps = {"caps": self.caps} if self.env == MIXED else {}  # (a single environment's cache keys as before)
         return {"items": self.items, "h": self.h, "k": self.eval.k, "temperature": self.eval.temperature,
                 "seed": self.eval.seed, "max_new_tokens": self.eval.max_new_tokens,
-                "context_budget": self.eval.context_budget, "engine": self.eval.engine}
+                "context_budget": self.eval.context_budget, "engine": self.eval.engine, **caps}
 
     def outcomes(self, checkpoint: Path) -> np.ndarray:
         """``checkpoint`` on the gate items: items x samples of the gate's metric (from the cache when there)."""
@@ -123,12 +135,9 @@ class GateRun:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(cache, json.dumps(data))
         else:
-            from training.evaluation.evaluate import evaluate
-
             if self.progress is not None:
                 self.progress(f"gate {self.index}: evaluating {checkpoint}")
-            result = evaluate(checkpoint, self.env, self.url, self.items, batch_items=self.batch_items(),
-                              policy_url=self.policy_url, **self.spec.sampling())
+            result = _sample(self, checkpoint)
             self.episodes += len(self.items) * self.eval.k
             data = {"checkpoint": str(checkpoint.relative_to(self.root)) if checkpoint.is_relative_to(self.root)
                     else str(checkpoint), "hash": digest,
@@ -137,6 +146,25 @@ class GateRun:
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(cache, json.dumps(data))
         return np.asarray(data[self.config.metric], dtype=float)
+
+
+def _sample(gate: GateRun, checkpoint: Path) -> Any:
+    """``checkpoint``'s episodes on the gate items (an ``EvalResult``): on the mixed run, each environment's items
+    on its own servers at its own cap, merged under tagged ids."""
+    from envs.urls import ServerUrls
+    from training.evaluation.evaluate import EvalResult, evaluate
+
+    sampling = gate.spec.sampling()
+    if gate.env != MIXED:
+        return evaluate(checkpoint, gate.env, gate.url, gate.items, batch_items=gate.batch_items(),
+                        policy_url=gate.policy_url, **sampling)
+    urls, merged = ServerUrls.parse(gate.url, list(gate.caps)), EvalResult({}, {})
+    for e, ids in gate.parts.items():
+        result = evaluate(checkpoint, e, urls.replicas(e), ids, batch_items=gate.batch_items(), policy_url=None,
+                          **(sampling | {"h": gate.caps[e]}))
+        merged.success.update({f"{e}:{i}": v for i, v in result.success.items()})
+        merged.reward.update({f"{e}:{i}": v for i, v in result.reward.items()})
+    return merged
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -203,6 +231,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                "metric": config.metric, **first, "on_reject": config.on_reject, "retries": retries,
                "items": len(settings["items"]), "k": settings["k"], "h": settings["h"],
                "temperature": settings["temperature"], "engine": settings["engine"], "episodes_sampled": episodes,
+               **({"caps": settings["caps"]} if "caps" in settings else {}),  # the mixed run's, per environment
                "seconds": round(time.perf_counter() - started, 3)}
     return _write(run, index, promotion, summary)
 

@@ -386,8 +386,6 @@ def gate_config(env: str, profile: str | None = None, params: dict[str, Any] | N
         config = GateConfig(**values)
     except ValidationError as err:
         raise ConfigError(f"gate.{profile} (env {env}) in params.yaml: {err}") from err
-    if config.enabled and env == MIXED:
-        raise ConfigError(f"gate.{profile}.envs.{MIXED}.enabled: the mixed run has no promotion gate; set it false")
     return config
 
 
