@@ -335,6 +335,7 @@ def _arm_dir(params: dict[str, Any]) -> Path:
 def stage_train(params: dict[str, Any]) -> None:
     """The arm's phases in order, each from the previous one's final checkpoint; a killed phase resumes."""
     from envs.launcher import running_server
+    from training.checkpoint import list_checkpoints, weights_copy
     from training.phases.trainer import train_phase
     from training.settings.config import TrainConfig
     from training.settings.curriculum import AdaptiveRule
@@ -358,9 +359,8 @@ def stage_train(params: dict[str, Any]) -> None:
             if (scratch / f"phase-{index}" / part).exists():
                 shutil.copytree(scratch / f"phase-{index}" / part, phases_dir / f"phase-{index}" / part)
         if params["eval"].get("sampled"):  # v2: the checkpoints every save_every steps, the curve's points
-            for folder in sorted((scratch / f"phase-{index}" / "intermediate").glob("step-*")):
-                shutil.copytree(folder, phases_dir / f"phase-{index}" / "curve" / folder.name,
-                                ignore=shutil.ignore_patterns("logs"))
+            for folder in list_checkpoints(scratch / f"phase-{index}" / "intermediate"):  # weights only: the
+                weights_copy(folder, phases_dir / f"phase-{index}" / "curve" / folder.name)  # optimizer stays
     cumulative = 0
     for index in range(len(arm["schedule"])):
         folder = phases_dir / f"phase-{index}"

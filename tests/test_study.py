@@ -78,6 +78,15 @@ def test_the_redone_study_evaluates_sampled_beside_greedy_and_draws_its_curve_fr
     assert warm["sampled"]["items"] == warm["held_out"]["items"] == 12
     manifest = json.loads((tmp_path / "ws/arms/fixed-2-s0/phases/phase-0/final/manifest.json").read_text())
     assert manifest["config"]["context_budget"] == 1024
+    # the curve's points are the kept checkpoints' weights, without their optimizer state (SmolLM2's would be ~1 GB
+    # a point), each verified and naming the checkpoint it was copied from
+    from training.checkpoint import read_manifest
+
+    points = sorted((tmp_path / "ws/arms/fixed-2-s0/phases/phase-0/curve").iterdir())
+    assert [p.name for p in points] == ["step-000001", "step-000002"]
+    for point in points:
+        assert not list(point.glob("optimizer_rank*.pt")) and not (point / "trainer_state.pt").exists()
+        assert read_manifest(point, verify=True)["weights_of"]
 
 
 def _fake_arm(docs: Path, arm: str, seed: int, per_item: dict[str, int], tokens: float) -> None:

@@ -107,6 +107,30 @@ def test_a_corrupted_checkpoint_is_refused(env_server, tiny_model_dir, tmp_path)
         train_phase("babyai", 1, 2, 1, final, tmp_path / "next", config=CONFIG, url=env_server("babyai"))
 
 
+def test_a_weights_copy_leaves_the_trainer_state_and_refuses_a_corrupted_source(tmp_path) -> None:
+    """``weights_copy``: the checkpoint without its optimizer and trainer state (inside it, or in the ``-state``
+    folder beside an exported one), verified, naming its source; a corrupted source is refused, nothing written."""
+    from training.checkpoint import weights_copy, write_checkpoint
+
+    def write(tmp: Path) -> None:
+        for name, data in (("model.safetensors", b"w"), ("config.json", b"{}"), ("optimizer_rank0.pt", b"o"),
+                           ("trainer_state.pt", b"s")):
+            (tmp / name).write_bytes(data)
+
+    for export in (False, True):
+        source = tmp_path / f"export-{export}" / "final"
+        write_checkpoint(source, write, {"global_step": 7}, export=export)
+        copy = weights_copy(source, tmp_path / f"copy-{export}")
+        assert sorted(p.name for p in copy.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+        manifest = read_manifest(copy, verify=True)
+        assert manifest["weights_of"] == read_manifest(source)["hash"] and manifest["global_step"] == 7
+        assert sorted(manifest["files"]) == ["config.json", "model.safetensors"]
+    (source / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors fails its recorded sha256"):
+        weights_copy(source, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_corrupted_base_model_is_refused_by_training_sft_and_evaluation(env_server, tiny_model_dir,
                                                                           tmp_path) -> None:
     """The base model is written as a checkpoint (kind base, with its files' hashes): a flipped byte in it is

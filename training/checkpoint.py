@@ -143,6 +143,24 @@ def write_checkpoint(folder: Path, write_files: Callable[[Path], None], record: 
     return checkpoint_hash(folder)
 
 
+def weights_copy(checkpoint: Path, out: Path) -> Path:
+    """A copy of ``checkpoint`` without its trainer state (optimizer, RNG, data position: most of its bytes),
+    written atomically to ``out``: what evaluating it needs, not resuming. The source is verified first; the
+    copy's manifest keeps the record, lists only the files copied and names the source (``weights_of``: its
+    hash). Returns ``out``."""
+    source = read_manifest(checkpoint, verify=True)
+    kept = [name for name in source["files"]
+            if not name.startswith("state/") and not any(fnmatch.fnmatch(name, p) for p in STATE_FILES)]
+    record = {k: v for k, v in source.items() if k not in ("files", "hash", SELF_HASH)}
+
+    def write(tmp: Path) -> None:
+        for name in kept:
+            shutil.copy2(_file(checkpoint, name), tmp / name)
+
+    write_checkpoint(out, write, record | {"weights_of": source["hash"]})
+    return out
+
+
 def replace_folder(new: Path, folder: Path) -> None:
     """Rename the finished folder ``new`` to ``folder``, replacing an older one (never a moment without one)."""
     if folder.exists():
