@@ -145,3 +145,41 @@ def test_sft_trains_on_recorded_episodes_and_names_them(env_server, bandit_warm_
     bad = subprocess.run([*cmd[:-4], "--from", str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "no recorded episodes at" in bad.stdout + bad.stderr
+
+
+def test_a_sampling_stages_context_budget_reaches_its_sampling_and_cuts_its_episodes(env_server, tiny_model_dir,
+                                                                                      tmp_path, monkeypatch) -> None:
+    """``context_budget`` of an RFT or DPO stage (a phases.yaml row, so a DVC param) is how long its sampled
+    episodes may grow (before, every sampling stage took the rollout's default of 2,048 tokens, whatever the
+    environment's episodes needed)."""
+    from training.settings.warm import parse_stage
+    from training.warmstart import methods
+    from training.warmstart.rft import sample
+    from training.warmstart.sft import sft_items
+
+    url, seen = env_server("babyai"), {}
+
+    class Sampled(Exception):
+        pass
+
+    def fake_rft(init, out, env, url, ids, config, **kwargs):
+        seen["rft"] = config
+        raise Sampled
+
+    def fake_sample(init, env, url, ids, config, round_):
+        seen["dpo"] = config
+        raise Sampled
+
+    monkeypatch.setattr(methods, "rft", fake_rft)
+    monkeypatch.setattr(methods, "sample", fake_sample)
+    for method in ("rft", "dpo"):
+        stage = parse_stage({"method": method, "items": 2, "context_budget": 96, "k": 3, "h": 5})
+        with pytest.raises(Sampled):
+            methods.run_warm_stage("babyai", 0, stage, tiny_model_dir, tmp_path / method, url)
+    assert seen["rft"].context_budget == seen["dpo"].context_budget == 96
+    assert (seen["rft"].k, seen["rft"].h, seen["dpo"].k, seen["dpo"].h) == (3, 5, 3, 5)
+    # BabyAI's opening prompt is ~760 tokens here and each turn ~75: 8 turns need ~1,360, a budget of 1,000 cuts
+    for budget, ended in ((1000, "context_cap"), (2048, "turn_cap")):
+        sampled = sample(tiny_model_dir, "babyai", url, sft_items("babyai", 2),
+                         RFTConfig(k=2, h=8, max_new_tokens=24, context_budget=budget), 0)
+        assert all(len(t.input_ids) <= budget and t.termination == ended for t in sampled.trajectories), budget

@@ -451,7 +451,7 @@ def check_versions(p: Plan) -> list[Finding]:
             python: Path | str = vllm_python()
             version = _vllm_version(str(python))
         except EngineError:
-            python, version = os.environ.get("SCALINGINTER_VLLM_PYTHON") or ".venv-vllm/bin/python", None
+            python, version = vllm_python(must_exist=False), None
         if version is None:
             findings.append(Finding("versions", False, f"the vllm engine needs its server's environment, but "
                                     f"{python} has no vLLM: run "

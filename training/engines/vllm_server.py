@@ -29,10 +29,11 @@ WORKER_EXTENSION = "training.engines.vllm_worker.WeightLoader"
 PORT_ATTEMPTS = 3  # ports tried when another process takes the free one first (envs.launcher.PortTaken)
 
 
-def vllm_python() -> Path:
-    """The Python of the vLLM environment: ``SCALINGINTER_VLLM_PYTHON`` or ``.venv-vllm`` (``make vllm``)."""
+def vllm_python(must_exist: bool = True) -> Path:
+    """The Python of the vLLM environment: ``SCALINGINTER_VLLM_PYTHON`` or ``.venv-vllm`` (``make vllm``); with
+    ``must_exist``, a missing one is an error saying how to build it."""
     path = Path(os.environ.get("SCALINGINTER_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
-    if not path.exists():
+    if must_exist and not path.exists():
         raise EngineError(f"the vllm engine runs vLLM from its own environment, and {path} does not exist: run "
                           "`make vllm` (or set SCALINGINTER_VLLM_PYTHON to that environment's python)")
     return path

@@ -48,11 +48,16 @@ class _Method(BaseModel):
     seed: int = Field(0, description="seed of the stage's data order and sampling")
 
 
-class _Sampling(BaseModel):
+class StageSampling(BaseModel):
+    """How a sampling warm-start stage (RFT, DPO) samples its episodes (``training.warmstart.rft.RFTConfig``
+    takes each field by name)."""
+
     k: int = Field(4, ge=1, description="episodes sampled per item")
     h: int = Field(6, ge=1, description="turn cap of the sampled episodes")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the episodes")
     max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
+    context_budget: int = Field(2048, ge=16, description="tokens per sampled episode, prompt and every turn (an "
+                                "episode that would grow past it ends, cut: context_cap)")
     batch_items: int = Field(8, ge=1, description="items rolled out at once")
     prefix_cache_gb: float = Field(PREFIX_CACHE_GB, ge=0, description=PREFIX_CACHE_HELP)
 
@@ -88,7 +93,7 @@ class SFTStage(_Method):
         return self
 
 
-class RFTStage(_Method, _Sampling):
+class RFTStage(_Method, StageSampling):
     """Rejection sampling (AgentEvol-style): ``rounds`` of sample k per item -> keep successes -> SFT."""
 
     method: Literal["rft"] = Field(description="the stage's method")
@@ -98,7 +103,7 @@ class RFTStage(_Method, _Sampling):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of each round's SFT")
 
 
-class DPOStage(_Method, _Sampling):
+class DPOStage(_Method, StageSampling):
     """DPO on the policy's own episodes: each item's successes against its failures."""
 
     method: Literal["dpo"] = Field(description="the stage's method")

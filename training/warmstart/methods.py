@@ -21,7 +21,7 @@ from training.checkpoint import folder_hash
 from training.lora import lora_of_rank
 from training.placement.devices import placement, resolve_device
 from training.settings.config import ServerConfig, SFTConfig
-from training.settings.warm import DPOStage, RFTStage, SFTStage
+from training.settings.warm import DPOStage, RFTStage, SFTStage, StageSampling
 from training.store import read_episodes
 from training.warmstart.dpo import DPOConfig, dpo, preference_pairs
 from training.warmstart.rft import RFTConfig, rft, sample
@@ -57,15 +57,13 @@ def run_warm_stage(env: str, index: int, stage: SFTStage | RFTStage | DPOStage, 
                 raise ValueError(f"warm start {index} ({stage.method}) samples episodes: give an environment server "
                                  "URL or the server settings to start one")
             url = stack.enter_context(running_replicas(env, **server.launch_kwargs()))
+        # how RFT and DPO sample: the stage's sampling settings, one builder (the SFT settings: the device)
+        sampling = RFTConfig(**{name: getattr(stage, name) for name in StageSampling.model_fields}, seed=stage.seed,
+                             sft=sft_config)
         if isinstance(stage, RFTStage):
-            config = RFTConfig(rounds=stage.rounds, k=stage.k, h=stage.h, temperature=stage.temperature,
-                               max_new_tokens=stage.max_new_tokens, keep=stage.keep, batch_items=stage.batch_items,
-                               prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed, sft=sft_config)
+            config = sampling.model_copy(update={"rounds": stage.rounds, "keep": stage.keep})
             return rft(init, out, env, url, ids, config, progress=progress, record=record,
                        first_round=stage.round)[-1]
-        sampling = RFTConfig(k=stage.k, h=stage.h, temperature=stage.temperature, max_new_tokens=stage.max_new_tokens,
-                             batch_items=stage.batch_items, prefix_cache_gb=stage.prefix_cache_gb, seed=stage.seed,
-                             sft=sft_config)  # the sampling's device
         config = DPOConfig(beta=stage.beta, epochs=stage.epochs, lr=stage.lr, batch_pairs=stage.batch_pairs,
                            max_pairs_per_item=stage.max_pairs_per_item, seed=stage.seed, lora=lora, device=device)
         sampled = sample(init, env, url, ids, sampling, 0)

@@ -44,6 +44,7 @@ class RFTConfig(BaseModel):
     h: int = Field(6, ge=1, description="turn cap of the sampled episodes")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (greedy would give k equal episodes)")
     max_new_tokens: int = Field(64, ge=1, description="tokens per assistant turn")
+    context_budget: int = Field(2048, ge=16, description="tokens per sampled episode, prompt and every turn")
     keep: Literal["all", "shortest"] = Field("all", description="every successful episode, or each item's "
                                              "shortest (fewest turns) one")
     batch_items: int = Field(8, ge=1, description="items rolled out at once")
@@ -81,7 +82,7 @@ def sample(policy: Path, env: str, url: str, items: list[str], config: RFTConfig
     sampler = build_sampler(model, tokenizer, policy, prefix_cache_gb=config.prefix_cache_gb)
     rollout = Rollout(env, url, sampler.engine, tokenizer, RolloutConfig(
         n_samples=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-        seed=config.seed * 1000 + round_))
+        context_budget=config.context_budget, seed=config.seed * 1000 + round_))
     out: list[Trajectory] = []
     for start in range(0, len(items), config.batch_items):
         out += rollout.run(items[start:start + config.batch_items], config.h, step=round_).trajectories
