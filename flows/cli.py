@@ -253,11 +253,17 @@ def train_phase_cmd(
     except DeviceError as err:
         fail(str(err))
     if launch and "LOCAL_RANK" not in os.environ:  # one process per device (and node): relaunch under torchrun
+        import contextlib
         import subprocess
         import sys
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "flows.cli", *sys.argv[1:]]
-        raise typer.Exit(subprocess.call(cmd))
+        from training.placement.nodes import announced, is_head
+
+        # across nodes, the head announces the launch in the phase folder: `scalinginter follow` joins it elsewhere
+        with announced(Path(out), sys.argv[1:]) if is_head() else contextlib.nullcontext():
+            cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args(), "-m", "flows.cli", *sys.argv[1:]]
+            code = subprocess.call(cmd)
+        raise typer.Exit(code)
     try:
         overrides = pairs(set_ or [])
         params = load_params()
@@ -268,6 +274,38 @@ def train_phase_cmd(
     final = run_phase(spec, url, progress=True, policy_url=policy_url)
     console.print(f"phase {phase} (h={h}) done: {final}")
     exit_rank()  # under torchrun: every rank leaves its process group and ends before the interpreter's shutdown
+
+
+@app.command()
+def follow(
+    env: EnvArg,
+    watch: Annotated[str | None, typer.Option(help="folder to watch for announced launches (default: runs/<env>, "
+                                                   "the run's folder on the shared storage)")] = None,
+    launches: Annotated[int | None, typer.Option(help="stop after joining this many launches")] = None,
+    idle_timeout: Annotated[float, typer.Option(help="stop after this many seconds without a new launch")] = 3600.0,
+) -> None:
+    """On a node other than the head of a multi-node run: join every phase the head launches across nodes. The
+    head's train-phase (SCALINGINTER_NNODES > 1) announces each launch in its phase folder; this runs the same
+    command here with the announced rendezvous and this node's SCALINGINTER_NPROC and devices, until the
+    curriculum's last phase is trained (or --launches, or --idle-timeout). Start it on every other node, with the
+    same SCALINGINTER_NNODES and the run folder shared (a Prefect worker per node: the ``follow`` deployment)."""
+    from pathlib import Path
+
+    from envs.paths import project_root
+    from training.phases.follow import follow_run
+    from training.placement.devices import DeviceError
+    from training.settings.config import ConfigError
+
+    check_envs(env)
+    try:
+        joined = follow_run(env, project_root(), Path(watch) if watch else None, launches, idle_timeout,
+                            log=console.print)
+    except (ConfigError, DeviceError) as err:
+        fail(str(err))
+    failed = [j["folder"] for j in joined if j["returncode"] != 0]
+    console.print(f"joined {len(joined)} launch(es)" + (f"; failed here: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command("gate")

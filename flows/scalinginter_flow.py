@@ -192,6 +192,17 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
             "closing": closing}
 
 
+@flow(name="scalinginter-follow", log_prints=True)
+def follow(env: str = "sciworld", idle_timeout_s: float = 3600.0) -> list[dict[str, Any]]:
+    """On each node but the head of a multi-node run (a worker there, with the same ``SCALINGINTER_NNODES`` and
+    the run folder shared): join every phase the head's flow launches across nodes, until ``env``'s curriculum
+    has its last phase trained (``training.placement.nodes``: the head announces each launch in its phase
+    folder, this starts the same command with the announced rendezvous)."""
+    from training.phases.follow import follow_run
+
+    return follow_run(env, project_root(), idle_timeout_s=idle_timeout_s)
+
+
 @contextlib.contextmanager
 def working_copy_lock(root: Path) -> Iterator[None]:
     """Hold ``root``'s run lock: two runs in one working copy would share its dvc.lock, git index and run

@@ -93,6 +93,7 @@ def test_prefect_deployment_run_babyai_end_to_end(tmp_path) -> None:
         deployed = prefect("--no-prompt", "deploy", "--all")
         for name in ("babyai", "textcraft", "sciworld", "webarena", "deepsearch", "babyai-from-git"):
             assert f"scalinginter/{name}" in deployed
+        assert "scalinginter-follow/follow" in deployed  # the other nodes of a multi-node run (tests/test_strategy.py)
         worker = start("worker", "worker", "start", "--pool", "scalinginter-cpu")
         # deployment parameters reach DVC as params: the override lands in params.yaml and dvc.lock
         run = prefect("deployment", "run", "scalinginter/babyai", "-p", "profile=smoke", "-p",

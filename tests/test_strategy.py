@@ -115,9 +115,12 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     assert {"state/optimizer_rank0.pt", "state/optimizer_rank1.pt", "model.safetensors"} <= set(manifest["files"])
     assert manifest["global_step"] == 2 and manifest["config"]["strategy"] == "deepspeed"
     assert not list(out.glob(".tmp-*"))  # no staging folder left behind
-    # the same phase across two "nodes" on localhost (one rank each, torchrun's c10d rendezvous, two launches of the
-    # same command, as on two machines) trains the same weights as one node of two ranks
+    # the same phase across two "nodes" on localhost (one rank each, torchrun's c10d rendezvous, as on two machines)
+    # trains the same weights as one node of two ranks: the head's launch announces itself in the phase folder and
+    # `scalinginter follow` (what the other node's worker runs) starts the same command with its rendezvous
     import socket
+    import threading
+    import time
 
     import torch
     from safetensors.torch import load_file
@@ -128,12 +131,29 @@ def test_train_phase_on_two_deepspeed_ranks_writes_one_whole_checkpoint(env_serv
     nodes = tmp_path / "two-nodes"
     two = [c if c != str(out) else str(nodes) for c in cmd]
     node_env = {**env, "SCALINGINTER_NPROC": "1", "SCALINGINTER_NNODES": "2",
-                "SCALINGINTER_RDZV_ENDPOINT": f"127.0.0.1:{port}", "SCALINGINTER_RDZV_ID": "two-nodes"}
-    launches = [subprocess.Popen(two, cwd=ROOT, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for _ in range(2)]
-    for launch in launches:
-        _, err = launch.communicate(timeout=600)
-        assert launch.returncode == 0, err[-3000:]
+                "SCALINGINTER_RDZV_ENDPOINT": f"127.0.0.1:{port}"}
+    follower = subprocess.Popen([sys.executable, "-m", "flows.cli", "follow", "bandit", "--watch", str(tmp_path),
+                                 "--launches", "1", "--idle-timeout", "300"], cwd=ROOT, env=node_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    announcements: list[dict] = []
+
+    def watch() -> None:  # what the head announced, while its launch runs
+        while follower.poll() is None and not announcements:
+            if (nodes / "rendezvous.json").exists():
+                announcements.append(json.loads((nodes / "rendezvous.json").read_text()))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    head = subprocess.run(two, cwd=ROOT, env=node_env, capture_output=True, text=True, timeout=600)
+    out_text, err = follower.communicate(timeout=600)
+    watcher.join()
+    assert head.returncode == 0, head.stderr[-3000:]
+    assert follower.returncode == 0 and "joined 1 launch" in out_text, out_text + err[-3000:]
+    (announced,) = announcements
+    assert announced["nnodes"] == 2 and announced["endpoint"] == f"127.0.0.1:{port}"
+    assert announced["argv"] == two[3:] and announced["rdzv_id"].startswith("phase-")
+    assert not (nodes / "rendezvous.json").exists()  # removed when the launch ended
     one_node = load_file(out / "final" / "model.safetensors")
     two_nodes = load_file(nodes / "final" / "model.safetensors")
     assert one_node.keys() == two_nodes.keys()
@@ -162,3 +182,42 @@ def test_the_gpu_check_script_runs_a_step_and_reports_its_figures() -> None:
     # the preflight's estimate is printed beside the peak, and it counts the model's weights exactly
     assert out["preflight_parameters"] == out["parameters"]
     assert out["preflight_estimate_gib"] >= 0 and {"policy", "optimizer"} <= set(out["preflight_parts_gib"])
+
+
+def test_a_follower_joins_each_announced_launch_once_and_stops_when_told(tmp_path, monkeypatch) -> None:
+    """``training.placement.nodes``: the head's announcement (with its own rendezvous id, removed after the launch)
+    and the follower's loop: each launch joined once, a failed one logged and watched past, the end by count,
+    by the run being done, or by the idle timeout; `scalinginter follow` refuses a single-node setting."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from training.placement.nodes import ANNOUNCEMENT, announced, follow, is_head
+
+    monkeypatch.setenv("SCALINGINTER_NNODES", "2")
+    monkeypatch.setenv("SCALINGINTER_RDZV_ENDPOINT", "10.0.0.1:29500")
+    monkeypatch.delenv("SCALINGINTER_RDZV_ID", raising=False)
+    assert is_head()
+    joined: list[str] = []
+    with announced(tmp_path / "phase-0", ["train-phase", "babyai", "--phase", "0"]) as first:
+        assert os.environ["SCALINGINTER_RDZV_ID"] == first  # what the head's own torchrun meets at
+        record = json.loads((tmp_path / "phase-0" / ANNOUNCEMENT).read_text())
+        assert record == {"argv": ["train-phase", "babyai", "--phase", "0"], "endpoint": "10.0.0.1:29500",
+                          "rdzv_id": first, "nnodes": 2}
+        logs: list[str] = []
+        runs = follow(tmp_path, tmp_path, launches=1, run=lambda r, cwd: joined.append(r["rdzv_id"]) or 3,
+                      log=logs.append, poll_s=0.01)
+        assert [r["returncode"] for r in runs] == [3] and any("exit code 3" in line for line in logs)
+        # another follower (a second follower node) joins the launch announced now, once, then idles out
+        again = follow(tmp_path, tmp_path, run=lambda r, cwd: 0, idle_timeout_s=0.05, poll_s=0.01, log=logs.append,
+                       done=lambda: False)
+        assert len(again) == 1  # a fresh follower serves what is announced now, once
+    assert not (tmp_path / "phase-0" / ANNOUNCEMENT).exists() and "SCALINGINTER_RDZV_ID" not in os.environ
+    with announced(tmp_path / "phase-1", ["train-phase"]) as second:
+        assert second != first
+    assert joined == [first]
+    assert follow(tmp_path, tmp_path, done=lambda: True, poll_s=0.01) == []  # nothing announced, the run is done
+    monkeypatch.setenv("SCALINGINTER_FOLLOWER", "1")
+    assert not is_head()  # a follower's own launch announces nothing
+    monkeypatch.setenv("SCALINGINTER_NNODES", "1")
+    result = CliRunner().invoke(app, ["follow", "babyai"])
+    assert result.exit_code == 2 and "set SCALINGINTER_NNODES" in " ".join(result.output.split())
