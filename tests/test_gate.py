@@ -130,6 +130,42 @@ def test_a_wrecked_phase_is_rejected_and_retried_and_a_sound_one_promoted(bandit
     assert wider["margin"] == 0.2 and run.promotion(0).read_bytes() == promotion
 
 
+def test_a_retry_on_several_ranks_runs_the_phase_stages_command_with_the_same_spec(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch) -> None:
+    """Where the pool trains on several ranks (SCALINGINTER_NPROC, or nodes), a gate's retry is trained as its
+    phase stage is: ``train-phase`` relaunched under torchrun, not in the gate's single process; the command
+    builds the very spec the in-process retry trains (the same door); on one rank it stays in process."""
+    import subprocess as subprocess_module
+
+    from typer.testing import CliRunner
+
+    import training.phases.phase as phase_module
+    from flows.cli import app
+    from training.evaluation.gate import _retry
+
+    root = _bandit_workspace(tmp_path, tiny_model_dir, "retry", [3e-4])
+    monkeypatch.chdir(root)
+    spec = phase_spec("bandit", 0, root)
+    start, out, url = root / "models" / "tiny", root / "runs/bandit/gate-0/retries/retry-1", "http://127.0.0.1:9"
+    expected = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": 3e-5})})
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess_module, "call",
+                        lambda cmd, cwd, env: calls.append(cmd) or (cwd, env["SCALINGINTER_ROOT"]) != (root, str(root)))
+    seen: list = []
+    monkeypatch.setattr(phase_module, "run_phase", lambda s, u, **kw: seen.append((s, u)) or s.out / "final")
+    monkeypatch.setenv("SCALINGINTER_NPROC", "2")
+    assert _retry(spec, start, out, 3e-5, url, None, root) == out / "final" and not seen  # (exit 0: in root)
+    (cmd,) = calls
+    assert cmd[1:4] == ["-m", "flows.cli", "train-phase"]
+    monkeypatch.delenv("SCALINGINTER_NPROC")  # (the relaunched ranks' own view: run the command's spec here)
+    monkeypatch.setenv("SCALINGINTER_ROOT", str(root))
+    result = CliRunner().invoke(app, cmd[3:])
+    assert result.exit_code == 0, result.output
+    assert seen == [(expected, url)]
+    assert _retry(spec, start, out, 3e-5, url, None, root) == out / "final" and seen[-1] == (expected, url)  # 1 rank
+    assert len(calls) == 1
+
+
 @pytest.mark.slow
 def test_a_wrecked_multi_turn_phase_is_rejected_and_the_run_hands_back_its_parent(tiny_model_dir, env_server,
                                                                                   tmp_path, monkeypatch) -> None:

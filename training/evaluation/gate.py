@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -214,7 +217,7 @@ def run_gate(env: str, index: int, url: str | None = None, root: Path | None = N
                              "none); the retry starts from the parent")
                 for n in range(1, config.max_retries + 1):
                     lr = spec.train.lr * config.lr_factor ** n
-                    retry = _retry(spec, start, run.retries(index) / f"retry-{n}", lr, base, served)
+                    retry = _retry(spec, start, run.retries(index) / f"retry-{n}", lr, base, served, root)
                     verdict = decide(before, gate.outcomes(retry), config)
                     retries.append({"retry": n, "start": _rel(start, root), "start_score": start_score,
                                     "intermediate_scored": candidates, "lr": lr,
@@ -273,12 +276,31 @@ def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tu
     return best, score, scored
 
 
-def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None) -> Path:
-    """The phase trained again from ``start`` at ``lr`` into ``out`` (resumed if interrupted)."""
+def retry_command(spec: PhaseSpec, url: str, policy_url: str | None) -> list[str]:
+    """``train-phase`` for ``spec`` (a retry: the phase's own settings, its start, folder and learning rate), as its
+    phase stage runs it: relaunched under torchrun across the pool's ranks and nodes."""
+    return [sys.executable, "-m", "flows.cli", "train-phase", spec.env, "--phase", str(spec.index), "--h",
+            str(spec.h), "--steps", str(spec.steps), "--init", str(spec.init), "--out", str(spec.out), "--url", url,
+            "--set", f"lr={spec.train.lr!r}", *(["--adaptive"] if spec.adaptive is not None else []),
+            *(["--policy-url", policy_url] if policy_url else [])]
+
+
+def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None,
+           root: Path) -> Path:
+    """The phase trained again from ``start`` at ``lr`` into ``out`` (resumed if interrupted): in this process, or,
+    where the pool trains on several ranks or nodes (``SCALINGINTER_NPROC``, ``SCALINGINTER_NNODES``), under
+    torchrun as the phase itself was (``retry_command``)."""
     from training.phases.phase import run_phase
+    from training.placement.devices import launcher_args
 
     retry = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": lr})})
-    return run_phase(retry, url, policy_url=policy_url)
+    if not launcher_args():
+        return run_phase(retry, url, policy_url=policy_url)
+    cmd = retry_command(retry, url, policy_url)  # in the run's working copy, whose params.yaml it reads
+    code = subprocess.call(cmd, cwd=root, env={**os.environ, "SCALINGINTER_ROOT": str(root)})
+    if code != 0:
+        raise RuntimeError(f"the retry of phase {spec.index} ended with exit code {code}: {' '.join(cmd)}")
+    return out / "final"
 
 
 def run_result(env: str, root: Path | None = None) -> dict[str, Any]:
