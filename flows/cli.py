@@ -257,10 +257,11 @@ def train_phase_cmd(
         import subprocess
         import sys
 
+        from envs.paths import project_root
         from training.placement.nodes import announced, is_head
 
         # across nodes, the head announces the launch in the phase folder: `scalinginter follow` joins it elsewhere
-        with announced(Path(out), sys.argv[1:]) if is_head() else contextlib.nullcontext():
+        with announced(Path(out), sys.argv[1:], project_root()) if is_head() else contextlib.nullcontext():
             cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args(), "-m", "flows.cli", *sys.argv[1:]]
             code = subprocess.call(cmd)
         raise typer.Exit(code)
@@ -286,21 +287,22 @@ def follow(
 ) -> None:
     """On a node other than the head of a multi-node run: join every phase the head launches across nodes. The
     head's train-phase (SCALINGINTER_NNODES > 1) announces each launch in its phase folder; this runs the same
-    command here with the announced rendezvous and this node's SCALINGINTER_NPROC and devices, until the
-    curriculum's last phase is trained (or --launches, or --idle-timeout). Start it on every other node, with the
-    same SCALINGINTER_NNODES and the run folder shared (a Prefect worker per node: the ``follow`` deployment)."""
+    command here with the announced rendezvous and this node's SCALINGINTER_NPROC, devices and environment
+    servers, in this working copy (its params.yaml and phases.yaml must be the head's), for the run's phases,
+    fixed-h baselines and gate retries, until --launches or --idle-timeout. Start it on every other node, with
+    the same SCALINGINTER_NNODES and the run folder shared (a Prefect worker per node: the ``follow``
+    deployment)."""
     from pathlib import Path
 
     from envs.paths import project_root
     from training.phases.follow import follow_run
     from training.placement.devices import DeviceError
-    from training.settings.config import ConfigError
 
     check_envs(env)
     try:
         joined = follow_run(env, project_root(), Path(watch) if watch else None, launches, idle_timeout,
                             log=console.print)
-    except (ConfigError, DeviceError) as err:
+    except DeviceError as err:
         fail(str(err))
     failed = [j["folder"] for j in joined if j["returncode"] != 0]
     console.print(f"joined {len(joined)} launch(es)" + (f"; failed here: {', '.join(failed)}" if failed else ""))
@@ -328,7 +330,7 @@ def gate_cmd(
     check_env(env)
     try:
         summary = run_gate(env, phase, url=url, progress=console.print, policy_url=policy_url)
-    except ConfigError as err:
+    except (ConfigError, RuntimeError) as err:  # a failed retry under torchrun: its exit code and command
         fail(str(err))
     console.print(describe(phase, summary))
 

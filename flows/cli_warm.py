@@ -117,6 +117,8 @@ def sft(
 
     try:  # --set recorded=... is --from by another name: the same check, and no default expert items beside it
         recorded = from_ or pairs(set_ or []).get("recorded")
+        if from_ and "recorded" in pairs(set_ or []):
+            fail("--from and --set recorded= both name recorded episodes: give one of them")
     except ValueError as err:
         fail(str(err))
     if recorded and (episodes is not None or sub_task):

@@ -195,12 +195,16 @@ def _run(env: str, profile: str, params: dict[str, Any], record: Record, push: b
 @flow(name="scalinginter-follow", log_prints=True)
 def follow(env: str = "sciworld", idle_timeout_s: float = 3600.0) -> list[dict[str, Any]]:
     """On each node but the head of a multi-node run (a worker there, with the same ``SCALINGINTER_NNODES`` and
-    the run folder shared): join every phase the head's flow launches across nodes, until ``env``'s curriculum
-    has its last phase trained (``training.placement.nodes``: the head announces each launch in its phase
-    folder, this starts the same command with the announced rendezvous)."""
+    the run folder shared): join every phase, baseline and retry the head's flow launches across nodes, until no
+    launch has come for ``idle_timeout_s`` (``training.placement.nodes``: the head announces each launch in its
+    phase folder, this starts the same command with the announced rendezvous). Fails when a launch failed here."""
     from training.phases.follow import follow_run
 
-    return follow_run(env, project_root(), idle_timeout_s=idle_timeout_s)
+    joined = follow_run(env, project_root(), idle_timeout_s=idle_timeout_s)
+    failed = [j["folder"] for j in joined if j["returncode"] != 0]
+    if failed:
+        raise RuntimeError(f"launches that failed on this node: {', '.join(failed)}")
+    return joined
 
 
 @contextlib.contextmanager

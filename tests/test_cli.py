@@ -57,6 +57,8 @@ def test_the_warm_start_commands_take_a_device_and_refuse_what_they_would_ignore
     # expert items beside it (the stage is parsed and reaches the recorded files, which hold no episode here)
     result = runner.invoke(app, ["sft", "babyai", "--set", f"recorded={tmp_path}", "--episodes", "8"])
     assert result.exit_code == 2 and "--from (or --set recorded=)" in said(result), result.output
+    result = runner.invoke(app, ["sft", "babyai", "--from", str(tmp_path), "--set", f"recorded={tmp_path}"])
+    assert result.exit_code == 2 and "both name recorded episodes" in said(result), result.output
     result = runner.invoke(app, ["sft", "babyai", "--set", f"recorded={tmp_path}", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "no successful episode in the recorded files" in said(result)
     import torch

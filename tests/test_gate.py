@@ -149,19 +149,24 @@ def test_a_retry_on_several_ranks_runs_the_phase_stages_command_with_the_same_sp
     start, out, url = root / "models" / "tiny", root / "runs/bandit/gate-0/retries/retry-1", "http://127.0.0.1:9"
     expected = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": 3e-5})})
     calls: list[list[str]] = []
-    monkeypatch.setattr(subprocess_module, "call",
-                        lambda cmd, cwd, env: calls.append(cmd) or (cwd, env["SCALINGINTER_ROOT"]) != (root, str(root)))
+    def call(cmd: list[str], cwd: Path, env: dict[str, str]) -> int:  # in the run's copy, the servers by variable
+        calls.append(cmd)
+        return int((cwd, env["SCALINGINTER_ROOT"], env["SCALINGINTER_ENV_URL"]) != (root, str(root), url))
+
+    monkeypatch.setattr(subprocess_module, "call", call)
     seen: list = []
     monkeypatch.setattr(phase_module, "run_phase", lambda s, u, **kw: seen.append((s, u)) or s.out / "final")
     monkeypatch.setenv("SCALINGINTER_NPROC", "2")
     assert _retry(spec, start, out, 3e-5, url, None, root) == out / "final" and not seen  # (exit 0: in root)
     (cmd,) = calls
-    assert cmd[1:4] == ["-m", "flows.cli", "train-phase"]
+    assert cmd[1:4] == ["-m", "flows.cli", "train-phase"] and url not in cmd  # (announced to other nodes as is)
+    assert cmd[cmd.index("--init") + 1] == "models/tiny" and not cmd[cmd.index("--out") + 1].startswith("/")
     monkeypatch.delenv("SCALINGINTER_NPROC")  # (the relaunched ranks' own view: run the command's spec here)
     monkeypatch.setenv("SCALINGINTER_ROOT", str(root))
-    result = CliRunner().invoke(app, cmd[3:])
+    result = CliRunner().invoke(app, cmd[3:], env={"SCALINGINTER_ENV_URL": url})
     assert result.exit_code == 0, result.output
-    assert seen == [(expected, url)]
+    ((built, given),) = seen  # its paths relative to the copy it runs in
+    assert built.model_copy(update={"init": root / built.init, "out": root / built.out}) == expected and given == url
     assert _retry(spec, start, out, 3e-5, url, None, root) == out / "final" and seen[-1] == (expected, url)  # 1 rank
     assert len(calls) == 1
 

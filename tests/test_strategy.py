@@ -185,37 +185,72 @@ def test_the_gpu_check_script_runs_a_step_and_reports_its_figures() -> None:
 
 
 def test_a_follower_joins_each_announced_launch_once_and_stops_when_told(tmp_path, monkeypatch) -> None:
-    """``training.placement.nodes``: the head's announcement (with its own rendezvous id, removed after the launch)
-    and the follower's loop: each launch joined once, a failed one logged and watched past, the end by count,
-    by the run being done, or by the idle timeout; `scalinginter follow` refuses a single-node setting."""
+    """``training.placement.nodes``: the head's announcement (a rendezvous id of its own unless one is given, an
+    id per launch, the settings' digest; removed after the launch) and the follower's loop: each launch joined
+    once even when the rendezvous id repeats, a failed one logged and watched past, a working copy with other
+    settings refused, the end by count or idle timeout; `scalinginter follow` refuses a single-node setting."""
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from training.placement.nodes import ANNOUNCEMENT, announced, follow, is_head
+    from training.placement.nodes import ANNOUNCEMENT, announced, follow, is_head, join, settings_digest
 
+    root = tmp_path / "copy"
+    root.mkdir()
+    (root / "params.yaml").write_text("a: 1\n")
     monkeypatch.setenv("SCALINGINTER_NNODES", "2")
     monkeypatch.setenv("SCALINGINTER_RDZV_ENDPOINT", "10.0.0.1:29500")
     monkeypatch.delenv("SCALINGINTER_RDZV_ID", raising=False)
     assert is_head()
+    watch = tmp_path / "runs"
     joined: list[str] = []
-    with announced(tmp_path / "phase-0", ["train-phase", "babyai", "--phase", "0"]) as first:
+    with announced(watch / "phase-0", ["train-phase", "babyai", "--phase", "0"], root) as first:
         assert os.environ["SCALINGINTER_RDZV_ID"] == first  # what the head's own torchrun meets at
-        record = json.loads((tmp_path / "phase-0" / ANNOUNCEMENT).read_text())
-        assert record == {"argv": ["train-phase", "babyai", "--phase", "0"], "endpoint": "10.0.0.1:29500",
-                          "rdzv_id": first, "nnodes": 2}
+        record = json.loads((watch / "phase-0" / ANNOUNCEMENT).read_text())
+        assert {k: record[k] for k in ("argv", "endpoint", "rdzv_id", "nnodes", "settings")} == {
+            "argv": ["train-phase", "babyai", "--phase", "0"], "endpoint": "10.0.0.1:29500", "rdzv_id": first,
+            "nnodes": 2, "settings": settings_digest(root)}
         logs: list[str] = []
-        runs = follow(tmp_path, tmp_path, launches=1, run=lambda r, cwd: joined.append(r["rdzv_id"]) or 3,
+        runs = follow(watch, root, launches=1, run=lambda r, cwd: joined.append(r["rdzv_id"]) or 3,
                       log=logs.append, poll_s=0.01)
         assert [r["returncode"] for r in runs] == [3] and any("exit code 3" in line for line in logs)
-        # another follower (a second follower node) joins the launch announced now, once, then idles out
-        again = follow(tmp_path, tmp_path, run=lambda r, cwd: 0, idle_timeout_s=0.05, poll_s=0.01, log=logs.append,
-                       done=lambda: False)
-        assert len(again) == 1  # a fresh follower serves what is announced now, once
-    assert not (tmp_path / "phase-0" / ANNOUNCEMENT).exists() and "SCALINGINTER_RDZV_ID" not in os.environ
-    with announced(tmp_path / "phase-1", ["train-phase"]) as second:
-        assert second != first
-    assert joined == [first]
-    assert follow(tmp_path, tmp_path, done=lambda: True, poll_s=0.01) == []  # nothing announced, the run is done
+        # a second follower node joins the launch announced now, once, then idles out
+        again = follow(watch, root, run=lambda r, cwd: 0, idle_timeout_s=0.05, poll_s=0.01, log=logs.append)
+        assert len(again) == 1
+        other = tmp_path / "other"  # a working copy whose settings are not the head's: refused, nothing run
+        other.mkdir()
+        (other / "params.yaml").write_text("a: 2\n")
+        assert join(record, other) == 2
+    assert not (watch / "phase-0" / ANNOUNCEMENT).exists() and "SCALINGINTER_RDZV_ID" not in os.environ
+    # nodes started by hand with one command and a given rendezvous id still meet: the id is kept; each launch is
+    # still joined once, told apart by its own launch id
+    monkeypatch.setenv("SCALINGINTER_RDZV_ID", "by-hand")
+    seen: list[str] = []
+
+    def launch_twice() -> None:
+        for k in (1, 2):
+            with announced(watch / f"phase-{k}", ["train-phase"], root) as rdzv_id:
+                assert rdzv_id == "by-hand"
+                while len(seen) < k:
+                    time.sleep(0.01)
+
+    import threading
+    import time
+
+    head = threading.Thread(target=launch_twice)
+    head.start()
+    runs = follow(watch, root, launches=2, run=lambda r, cwd: seen.append(r["launch"]) or 0, poll_s=0.01,
+                  idle_timeout_s=30)
+    head.join()
+    assert [r["rdzv_id"] for r in runs] == ["by-hand", "by-hand"] and len(set(seen)) == 2
+    assert follow(watch, root, idle_timeout_s=0.05, poll_s=0.01) == []  # nothing announced: idles out
+    # the vllm engine across nodes is refused by the phase's one door (each node's ranks would sample from a server
+    # that rank 0 never syncs)
+    from training.settings.config import ConfigError, load_params
+    from training.settings.specs import build_phase_spec
+
+    with pytest.raises(ConfigError, match=r"train\.engine vllm across nodes"):
+        build_phase_spec("babyai", 0, 2, 1, tmp_path, tmp_path / "out", load_params(ROOT / "params.yaml"),
+                         "smoke", {"engine": "vllm"})
     monkeypatch.setenv("SCALINGINTER_FOLLOWER", "1")
     assert not is_head()  # a follower's own launch announces nothing
     monkeypatch.setenv("SCALINGINTER_NNODES", "1")

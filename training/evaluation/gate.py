@@ -276,13 +276,17 @@ def _best_start(gate: GateRun, spec: PhaseSpec, parent_scores: np.ndarray) -> tu
     return best, score, scored
 
 
-def retry_command(spec: PhaseSpec, url: str, policy_url: str | None) -> list[str]:
+def retry_command(spec: PhaseSpec, root: Path) -> list[str]:
     """``train-phase`` for ``spec`` (a retry: the phase's own settings, its start, folder and learning rate), as its
-    phase stage runs it: relaunched under torchrun across the pool's ranks and nodes."""
+    phase stage runs it (relaunched under torchrun across the pool's ranks and nodes), its paths relative to the
+    run's working copy ``root`` (the same on every node). The servers go by environment variable, not in the
+    command: a follower node's ranks start their own, as in a phase stage."""
+    def rel(path: Path) -> str:
+        return str(path.relative_to(root)) if path.is_absolute() and path.is_relative_to(root) else str(path)
+
     return [sys.executable, "-m", "flows.cli", "train-phase", spec.env, "--phase", str(spec.index), "--h",
-            str(spec.h), "--steps", str(spec.steps), "--init", str(spec.init), "--out", str(spec.out), "--url", url,
-            "--set", f"lr={spec.train.lr!r}", *(["--adaptive"] if spec.adaptive is not None else []),
-            *(["--policy-url", policy_url] if policy_url else [])]
+            str(spec.h), "--steps", str(spec.steps), "--init", rel(spec.init), "--out", rel(spec.out),
+            "--set", f"lr={spec.train.lr!r}", *(["--adaptive"] if spec.adaptive is not None else [])]
 
 
 def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_url: str | None,
@@ -296,8 +300,9 @@ def _retry(spec: PhaseSpec, start: Path, out: Path, lr: float, url: str, policy_
     retry = spec.model_copy(update={"init": start, "out": out, "train": spec.train.model_copy(update={"lr": lr})})
     if not launcher_args():
         return run_phase(retry, url, policy_url=policy_url)
-    cmd = retry_command(retry, url, policy_url)  # in the run's working copy, whose params.yaml it reads
-    code = subprocess.call(cmd, cwd=root, env={**os.environ, "SCALINGINTER_ROOT": str(root)})
+    cmd = retry_command(retry, root)  # in the run's working copy, whose params.yaml it reads
+    servers = {"SCALINGINTER_ENV_URL": url, **({"SCALINGINTER_VLLM_URL": policy_url} if policy_url else {})}
+    code = subprocess.call(cmd, cwd=root, env={**os.environ, "SCALINGINTER_ROOT": str(root), **servers})
     if code != 0:
         raise RuntimeError(f"the retry of phase {spec.index} ended with exit code {code}: {' '.join(cmd)}")
     return out / "final"

@@ -95,9 +95,15 @@ def build_phase_spec(env: str, index: int, h: int, steps: int, init: Path, out: 
     ``train-phase``. ``init``: a checkpoint, or a promotion gate's promotion.json (its checkpoint; a gate that
     ended the curriculum makes the phase train nothing); ``adaptive``: the curriculum's adaptive rule applies
     (in adaptive mode, never on the last phase); ``overrides``: TrainConfig fields over params.yaml's."""
+    from training.placement.devices import training_nodes
+
     components = mixed_components(env, params)  # the mixed run trains on its environments, joined by commas
+    train = train_config(env, profile, overrides, params)
+    if train.engine == "vllm" and training_nodes() > 1:  # each node's ranks would sample from a server never synced
+        raise ConfigError(f"train.engine vllm across nodes (SCALINGINTER_NNODES={training_nodes()}) is not "
+                          f"supported: set train.<profile>.envs.{env}.engine: hf, or train the phase on one node")
     return PhaseSpec(env=",".join(components), index=index, h=h, steps=steps, init=resolve_init(init, root),
-                     stopped=stopped(init, root), out=out, train=train_config(env, profile, overrides, params),
+                     stopped=stopped(init, root), out=out, train=train,
                      server=server_config(env, params),
                      servers={e: server_config(e, params) for e in components} if len(components) > 1 else {},
                      policy_server=policy_server_config(params),
