@@ -227,6 +227,20 @@ def evaluate_checkpoints(checkpoints: dict[str, Path], env: str, url: str, items
     return out
 
 
+def evaluate_parts(folder: Path, parts: dict[str, tuple[Any, list[str], int]], **sampling: Any) -> EvalResult:
+    """:func:`evaluate` of one policy over several environments: ``parts`` maps each environment to (its servers,
+    its item ids, its turn cap); the results merged under ``<env>:<item_id>`` (the mixed run's evaluation and its
+    promotion gates)."""
+    merged = EvalResult({}, {})
+    for env, (url, ids, h) in parts.items():
+        result = evaluate(folder, env, url, ids, h=h, **sampling)
+        for field_name in ("success", "reward", "turns", "termination"):
+            getattr(merged, field_name).update({f"{env}:{i}": v for i, v in getattr(result, field_name).items()})
+        merged.generated_tokens += result.generated_tokens
+        merged.prefix_reused_tokens += result.prefix_reused_tokens
+    return merged
+
+
 def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tuple[str, list[dict[str, Any]], int]],
                                k: int, temperature: float, max_new_tokens: int, seed: int, batch_items: int = 4,
                                progress: Callable[[str], None] | None = None, context_budget: int = 8192,
@@ -243,15 +257,11 @@ def evaluate_mixed_checkpoints(checkpoints: dict[str, Path], parts: dict[str, tu
     for name, folder in checkpoints.items():
         if progress is not None:
             progress(name)
-        merged = EvalResult({}, {})
-        for env, (url, items, h) in parts.items():
-            result = evaluate(folder, env, url, [r["item_id"] for r in items], h=h, k=k, temperature=temperature,
-                              max_new_tokens=max_new_tokens, seed=seed, batch_items=batch_items,
-                              context_budget=context_budget, device=device, prefix_cache_gb=prefix_cache_gb)
-            for field_name in ("success", "reward", "turns", "termination"):
-                getattr(merged, field_name).update({f"{env}:{i}": v for i, v in getattr(result, field_name).items()})
-            merged.generated_tokens += result.generated_tokens
-            merged.prefix_reused_tokens += result.prefix_reused_tokens
+        merged = evaluate_parts(folder, {env: (url, [r["item_id"] for r in items], h)
+                                         for env, (url, items, h) in parts.items()},
+                                k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                batch_items=batch_items, context_budget=context_budget, device=device,
+                                prefix_cache_gb=prefix_cache_gb)
         sub_tasks = {f"{env}:{r['item_id']}": env for env, (_, items, _) in parts.items() for r in items}
         out["checkpoints"][name] = ({"path": str(folder)} | summarise(merged, sub_tasks)
                                     | {"prefix_reused_tokens": merged.prefix_reused_tokens})

@@ -155,19 +155,16 @@ def _sample(gate: GateRun, checkpoint: Path) -> Any:
     """``checkpoint``'s episodes on the gate items (an ``EvalResult``): on the mixed run, each environment's items
     on its own servers at its own cap, merged under tagged ids."""
     from envs.urls import ServerUrls
-    from training.evaluation.evaluate import EvalResult, evaluate
+    from training.evaluation.evaluate import evaluate, evaluate_parts
 
     sampling = gate.spec.sampling()
     if gate.env != MIXED:
         return evaluate(checkpoint, gate.env, gate.url, gate.items, batch_items=gate.batch_items(),
                         policy_url=gate.policy_url, **sampling)
-    urls, merged = ServerUrls.parse(gate.url, list(gate.caps)), EvalResult({}, {})
-    for e, ids in gate.parts.items():
-        result = evaluate(checkpoint, e, urls.replicas(e), ids, batch_items=gate.batch_items(), policy_url=None,
-                          **(sampling | {"h": gate.caps[e]}))
-        merged.success.update({f"{e}:{i}": v for i, v in result.success.items()})
-        merged.reward.update({f"{e}:{i}": v for i, v in result.reward.items()})
-    return merged
+    urls = ServerUrls.parse(gate.url, list(gate.caps))
+    sampling = {k: v for k, v in sampling.items() if k not in ("h", "policy_server")}  # each part at its own cap
+    return evaluate_parts(checkpoint, {e: (urls.replicas(e), ids, gate.caps[e]) for e, ids in gate.parts.items()},
+                          batch_items=gate.batch_items(), **sampling)
 
 
 def _rel(path: Path, root: Path) -> str:
